@@ -1,0 +1,1 @@
+"""Runnable verl_dmd recipes, shipped as package data (YAML only)."""

@@ -1,0 +1,956 @@
+"""The distillation plan: the validated, immutable description of one training run.
+
+A `DistillationPlan` is built once from the hydra config (`DistillationPlan.from_config`)
+and never changes. Every user-facing key is a field of a frozen dataclass below;
+unknown keys, wrong types and out-of-range values fail at build time with one
+line naming the key, the value, what is allowed and the fix.
+
+`plan.fingerprint()` hashes the fields that change what training computes. The
+keys a resume may change (logging, cadences, total steps, resources, paths of
+outputs) are listed once, in `RESUME_MUTABLE_KEYS`, and excluded.
+
+Layer 1: no torch, no distribution, no ray, no verl.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import math
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+FINGERPRINT_SCHEMA = "verl_dmd.plan/1"
+"""Prefixed to the canonical JSON before hashing: bump it when a field's meaning changes."""
+
+# verl.utils.tracking.Tracking.supported_backend in verl 0.9.1 (a test keeps this in sync).
+TRACKING_BACKENDS = (
+    "console",
+    "tensorboard",
+    "wandb",
+    "mlflow",
+    "swanlab",
+    "vemlp_wandb",
+    "clearml",
+    "trackio",
+    "file",
+    "rl_insight",
+)
+
+# Dotted keys (a key covers everything below it) that a resume may change. They
+# shape logging, cadence, placement and outputs, never the sequence of updates.
+# Changing the world size changes the global batch; the checkpoint manifest
+# records it and a resume at another world size says so.
+RESUME_MUTABLE_KEYS: tuple[str, ...] = (
+    "trainer.total_steps",
+    "trainer.output_dir",
+    "trainer.project_name",
+    "trainer.experiment_name",
+    "trainer.loggers",
+    "trainer.log_every",
+    "trainer.max_consecutive_skips",
+    "trainer.rpc_timeout_s",
+    "trainer.progress_bar",
+    "model.activation_checkpointing",
+    "model.teacher.cpu_offload",
+    "resources",
+    "checkpoint",
+    "validation",
+    "export",
+)
+
+
+class PlanError(ValueError):
+    """A user-fixable problem in the configuration; the message is one line."""
+
+
+def _show(value: Any) -> str:
+    text = repr(value).replace("\n", " ")
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _error(key: str, value: Any, allowed: str, fix: str | None = None) -> PlanError:
+    message = f"config key '{key}' = {_show(value)}: {allowed}"
+    if fix:
+        message += f"; fix: {fix}"
+    return PlanError(message)
+
+
+_MISSING = object()
+
+
+# --------------------------------------------------------------------------- specs
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """LoRA settings of one trainable role."""
+
+    rank: int = 0
+    """LoRA rank; 0 trains the role's full weights (independent layout only)."""
+    alpha: float | None = None
+    """LoRA scaling numerator; None uses alpha = rank (scale 1), the common default."""
+    dropout: float = 0.0
+    """Dropout on the LoRA input; 0 keeps phases deterministic given the seed."""
+    target_modules: tuple[str, ...] | None = None
+    """Module names to adapt; None takes the model adapter's default (e.g. attention projections)."""
+    init_path: str | None = None
+    """A saved PEFT adapter directory to start from; its rank and alpha must match."""
+
+    def validate(self, key: str) -> None:
+        _check_int(f"{key}.rank", self.rank, minimum=0)
+        if self.alpha is not None:
+            _check_float(
+                f"{key}.alpha", self.alpha, "a positive finite number or null (alpha = rank)", low=0.0
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise _error(f"{key}.dropout", self.dropout, "must be in [0, 1)")
+        if self.target_modules is not None:
+            if not self.target_modules:
+                raise _error(
+                    f"{key}.target_modules",
+                    list(self.target_modules),
+                    "must be a non-empty list of module names or null",
+                    "set null to use the model adapter's default targets",
+                )
+            for i, name in enumerate(self.target_modules):
+                if not name:
+                    raise _error(f"{key}.target_modules[{i}]", name, "must be a non-empty module name")
+        if self.rank == 0 and (self.alpha is not None or self.target_modules is not None or self.init_path):
+            raise _error(
+                f"{key}.rank",
+                0,
+                "LoRA options are set but rank 0 means full-weight training",
+                "set a rank >= 1",
+            )
+        if self.init_path is not None and not self.init_path:
+            raise _error(f"{key}.init_path", self.init_path, "must be a PEFT adapter directory or null")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
+@dataclass(frozen=True)
+class TeacherSpec:
+    """Where the teacher (and, in the shared layout, the base carrying the adapters) comes from."""
+
+    path: str | None = None
+    """Local diffusers model directory (nothing is ever downloaded)."""
+    subfolder: str | None = None
+    """Subfolder of `path` holding the denoiser, e.g. "transformer" in a pipeline directory."""
+    config: Mapping[str, Any] | None = None
+    """A model config to build a randomly initialised model (tests and benchmarks)."""
+    cpu_offload: bool = False
+    """Keep the frozen weights on the host with FSDP2 CPU offload (saves device memory, costs copies)."""
+
+    def validate(self, key: str) -> None:
+        _check_source(key, self.path, self.subfolder, self.config, required=True)
+
+
+@dataclass(frozen=True)
+class TrainableModelSpec:
+    """Where a trainable role (student, fake score) comes from and how it is adapted."""
+
+    path: str | None = None
+    """Independent layout: local diffusers directory to start from; null starts from the teacher's weights."""
+    subfolder: str | None = None
+    """Subfolder of `path` holding the denoiser."""
+    config: Mapping[str, Any] | None = None
+    """Independent layout: a model config to build this role from (random init); null copies the teacher."""
+    lora: LoraSpec = field(default_factory=LoraSpec)
+    """LoRA settings; required (rank >= 1) in the shared-base layout."""
+
+    def validate(self, key: str) -> None:
+        _check_source(key, self.path, self.subfolder, self.config, required=False)
+        self.lora.validate(f"{key}.lora")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The model family, the storage layout of the roles, and numerics."""
+
+    adapter: str = ""
+    """Registered model-adapter name (e.g. digits, sd3, flux, wan); see `verl_dmd.adapters`."""
+    storage: Literal["shared_base_adapters", "independent"] = "shared_base_adapters"
+    """shared_base_adapters: LoRA roles on one frozen base (teacher = adapters off); independent: own copies."""
+    param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """FSDP2 compute dtype of parameters; bfloat16 on GPUs, float32 for exact CPU tests."""
+    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Gradient reduction dtype; float32 keeps small LoRA gradients from rounding away."""
+    activation_checkpointing: bool = False
+    """Recompute block activations in backward to save memory (same math)."""
+    teacher: TeacherSpec = field(default_factory=TeacherSpec)
+    student: TrainableModelSpec = field(default_factory=TrainableModelSpec)
+    fake_score: TrainableModelSpec = field(default_factory=TrainableModelSpec)
+
+    def validate(self, key: str) -> None:
+        if not self.adapter:
+            raise _error(
+                f"{key}.adapter",
+                self.adapter,
+                "must name a registered model adapter",
+                "set model.adapter (e.g. digits, sd3, flux, wan)",
+            )
+        self.teacher.validate(f"{key}.teacher")
+        for role in ("student", "fake_score"):
+            spec: TrainableModelSpec = getattr(self, role)
+            spec.validate(f"{key}.{role}")
+            if self.storage == "shared_base_adapters":
+                for name in ("path", "subfolder", "config"):
+                    if getattr(spec, name) is not None:
+                        raise _error(
+                            f"{key}.{role}.{name}",
+                            getattr(spec, name),
+                            "the shared_base_adapters layout keeps every role on the teacher's base",
+                            f"remove {key}.{role}.{name} or set {key}.storage=independent",
+                        )
+                if not spec.lora.enabled:
+                    raise _error(
+                        f"{key}.{role}.lora.rank",
+                        spec.lora.rank,
+                        "the shared_base_adapters layout trains LoRA adapters, so rank must be >= 1",
+                        f"set {key}.{role}.lora.rank (e.g. 32) or {key}.storage=independent",
+                    )
+
+
+@dataclass(frozen=True)
+class AlgorithmSpec:
+    """DMD2 hyper-parameters; conventions in docs/dmd2.md."""
+
+    name: Literal["dmd2"] = "dmd2"
+    """The distillation recipe; DMD2 is the one implemented."""
+    fake_update_ratio: int = 5
+    """K: fake-score phases per student phase (two time-scale rule); DMD2 runs 5 or 10."""
+    fake_warmup_steps: int = 0
+    """Fake-score-only optimizer steps before the first student phase."""
+    teacher_guidance_scale: float = 1.0
+    """CFG scale s of the teacher; 1 disables guidance (DMD2 SDXL: 8)."""
+    cfg_form: Literal["standard", "conditional_offset"] = "standard"
+    """standard: u + s(c - u). conditional_offset: c + s(c - u), which equals standard at s + 1."""
+    dmd_normalizer: Literal["per_sample", "batch_global"] = "per_sample"
+    """Scope of the mean |x - x0_real| that divides the DMD gradient."""
+    dmd_normalizer_eps: float = 1e-6
+    """Floor of that mean, so identical samples do not divide by zero."""
+    sigma_min: float = 0.02
+    """Lower end of the uniform noise level for the student phase's DMD term."""
+    sigma_max: float = 0.98
+    """Upper end of that range."""
+    fake_sigma_min: float = 0.0
+    """Lower end of the noise level of the fake-score denoising loss."""
+    fake_sigma_max: float = 1.0
+    """Upper end of that range."""
+    sigma_shift: float = 1.0
+    """Timestep shift s applied to sampled noise levels and the default student schedule (SD3: 3)."""
+    student_steps: int = 1
+    """Sampling steps of the distilled student (1 to 4 in published work)."""
+    student_sigmas: tuple[float, ...] | None = None
+    """Explicit student noise levels, strictly decreasing in (0, 1]; null: evenly spaced from 1, then shifted."""
+    backward_simulation: bool = True
+    """Multi-step students: train on states the student itself reaches (DMD2), not on noised data."""
+    gan_generator_weight: float = 0.0
+    """Weight of the GAN generator term (DMD2: 1e-3 to 5e-3); needs gan_discriminator_weight > 0."""
+    gan_discriminator_weight: float = 0.0
+    """Weight of the GAN discriminator term in fake-score phases (DMD2: 1e-2)."""
+    regression_weight: float = 0.0
+    """Weight of the DMD v1 regression term on paired teacher data; needs data.regression_pairs_path."""
+
+    def validate(self, key: str) -> None:
+        _check_int(
+            f"{key}.fake_update_ratio",
+            self.fake_update_ratio,
+            minimum=1,
+            fix=f"set {key}.fake_update_ratio to a positive integer (DMD2: 5)",
+        )
+        _check_int(f"{key}.fake_warmup_steps", self.fake_warmup_steps, minimum=0)
+        _check_float(
+            f"{key}.teacher_guidance_scale",
+            self.teacher_guidance_scale,
+            "a finite number >= 0",
+            low=0.0,
+            closed=True,
+        )
+        _check_float(
+            f"{key}.dmd_normalizer_eps", self.dmd_normalizer_eps, "a positive finite number", low=0.0
+        )
+        for lo_name, hi_name in (("sigma_min", "sigma_max"), ("fake_sigma_min", "fake_sigma_max")):
+            lo, hi = getattr(self, lo_name), getattr(self, hi_name)
+            for name, value in ((lo_name, lo), (hi_name, hi)):
+                if not (math.isfinite(value) and 0.0 <= value <= 1.0):
+                    raise _error(f"{key}.{name}", value, "must be a noise level in [0, 1]")
+            if lo > hi:
+                raise _error(f"{key}.{lo_name}", lo, f"must be <= {key}.{hi_name} = {hi}")
+        _check_float(
+            f"{key}.sigma_shift", self.sigma_shift, "a positive finite number (1 = no shift)", low=0.0
+        )
+        _check_int(f"{key}.student_steps", self.student_steps, minimum=1)
+        if self.student_sigmas is not None:
+            sigmas = self.student_sigmas
+            if len(sigmas) != self.student_steps:
+                raise _error(
+                    f"{key}.student_sigmas",
+                    list(sigmas),
+                    f"must hold exactly {key}.student_steps = {self.student_steps} values",
+                    "give one noise level per student step, or null for the default schedule",
+                )
+            for i, value in enumerate(sigmas):
+                if not (math.isfinite(value) and 0.0 < value <= 1.0):
+                    raise _error(f"{key}.student_sigmas[{i}]", value, "must be a noise level in (0, 1]")
+                if i and value >= sigmas[i - 1]:
+                    raise _error(
+                        f"{key}.student_sigmas[{i}]",
+                        value,
+                        f"must be < the previous value {sigmas[i - 1]} (strictly decreasing)",
+                    )
+        for name in ("gan_generator_weight", "gan_discriminator_weight", "regression_weight"):
+            _check_float(
+                f"{key}.{name}",
+                getattr(self, name),
+                "a finite number >= 0 (0 disables)",
+                low=0.0,
+                closed=True,
+            )
+        if self.gan_generator_weight > 0 and self.gan_discriminator_weight == 0:
+            raise _error(
+                f"{key}.gan_generator_weight",
+                self.gan_generator_weight,
+                "the GAN generator term needs a trained discriminator",
+                f"set {key}.gan_discriminator_weight > 0 (DMD2: 1e-2) or the generator weight to 0",
+            )
+
+
+@dataclass(frozen=True)
+class SchedulerSpec:
+    """Learning-rate schedule of one optimizer, in that optimizer's own steps."""
+
+    name: Literal["constant", "warmup_constant", "warmup_cosine"] = "constant"
+    """constant; warmup_constant (linear warmup then flat); warmup_cosine (then cosine to min_lr_ratio)."""
+    warmup_steps: int = 0
+    """Linear warmup length in optimizer steps."""
+    decay_steps: int = 0
+    """warmup_cosine only: cosine length after warmup (fixed here so that total_steps may change on resume)."""
+    min_lr_ratio: float = 0.0
+    """warmup_cosine only: final lr as a fraction of lr."""
+
+    def validate(self, key: str) -> None:
+        _check_int(f"{key}.warmup_steps", self.warmup_steps, minimum=0)
+        _check_int(f"{key}.decay_steps", self.decay_steps, minimum=0)
+        if not (math.isfinite(self.min_lr_ratio) and 0.0 <= self.min_lr_ratio <= 1.0):
+            raise _error(f"{key}.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
+        if self.name == "constant" and self.warmup_steps:
+            raise _error(
+                f"{key}.warmup_steps",
+                self.warmup_steps,
+                "the constant schedule has no warmup",
+                f"set {key}.name=warmup_constant or {key}.warmup_steps=0",
+            )
+        if self.name == "warmup_constant" and not self.warmup_steps:
+            raise _error(
+                f"{key}.warmup_steps",
+                0,
+                "warmup_constant needs warmup_steps >= 1",
+                f"set it, or {key}.name=constant",
+            )
+        if self.name == "warmup_cosine" and not self.decay_steps:
+            raise _error(
+                f"{key}.decay_steps",
+                0,
+                "warmup_cosine needs decay_steps >= 1 (the cosine length after warmup)",
+                f"set {key}.decay_steps",
+            )
+        if self.name != "warmup_cosine" and (self.decay_steps or self.min_lr_ratio):
+            raise _error(
+                f"{key}.name",
+                self.name,
+                "decay_steps and min_lr_ratio apply only to warmup_cosine",
+                f"set {key}.name=warmup_cosine or remove them",
+            )
+
+
+@dataclass(frozen=True)
+class OptimSpec:
+    """AdamW of one trainable role (a GAN head, if any, joins the fake-score optimizer)."""
+
+    lr: float = 5e-5
+    """Peak learning rate; DMD2's LoRA runs use 5e-5 for both roles."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam betas; Self-Forcing uses (0, 0.999)."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay (DMD2: 0.01)."""
+    grad_clip: float = 10.0
+    """Max global gradient norm (DMD2: 10); 0 disables clipping (the norm is still computed and checked)."""
+    scheduler: SchedulerSpec = field(default_factory=SchedulerSpec)
+
+    def validate(self, key: str) -> None:
+        _check_float(f"{key}.lr", self.lr, "a positive finite number", low=0.0)
+        for i, beta in enumerate(self.betas):
+            if not (math.isfinite(beta) and 0.0 <= beta < 1.0):
+                raise _error(f"{key}.betas[{i}]", beta, "must be in [0, 1)")
+        _check_float(f"{key}.eps", self.eps, "a positive finite number", low=0.0)
+        _check_float(f"{key}.weight_decay", self.weight_decay, "a finite number >= 0", low=0.0, closed=True)
+        _check_float(
+            f"{key}.grad_clip", self.grad_clip, "a finite number >= 0 (0 disables)", low=0.0, closed=True
+        )
+        self.scheduler.validate(f"{key}.scheduler")
+
+
+@dataclass(frozen=True)
+class RoleOptimSpecs:
+    student: OptimSpec = field(default_factory=OptimSpec)
+    fake_score: OptimSpec = field(default_factory=OptimSpec)
+
+
+@dataclass(frozen=True)
+class BatchSpec:
+    """Per-rank batch of one phase: micro_batch_size x accumulation_steps samples."""
+
+    micro_batch_size: int = 8
+    """Samples per forward/backward on one rank."""
+    accumulation_steps: int = 1
+    """Micro-batches accumulated into one optimizer step."""
+
+    def validate(self, key: str) -> None:
+        _check_int(f"{key}.micro_batch_size", self.micro_batch_size, minimum=1)
+        _check_int(f"{key}.accumulation_steps", self.accumulation_steps, minimum=1)
+
+
+@dataclass(frozen=True)
+class RoleBatchSpecs:
+    student: BatchSpec = field(default_factory=BatchSpec)
+    fake_score: BatchSpec = field(default_factory=BatchSpec)
+
+
+@dataclass(frozen=True)
+class EmaSpec:
+    """Exponential moving average of the student (the `student_ema` role)."""
+
+    enabled: bool = True
+    """Keep an EMA of the student; published runs sample from it."""
+    decay: float = 0.999
+    """EMA decay per successful student step (published: 0.99 to 0.999)."""
+    start_step: int = 0
+    """First global step (student optimizer steps) that updates the EMA; before it the EMA copies the student."""
+
+    def validate(self, key: str) -> None:
+        if not (math.isfinite(self.decay) and 0.0 < self.decay < 1.0):
+            raise _error(f"{key}.decay", self.decay, "must be in (0, 1)", "use 0.99 to 0.999")
+        _check_int(f"{key}.start_step", self.start_step, minimum=0)
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """The conditioning (and real-data) source."""
+
+    name: str = ""
+    """Registered data provider (e.g. digits, embeddings)."""
+    path: str | None = None
+    """Local data location for providers that read files (precomputed embeddings)."""
+    shuffle: bool = True
+    """Reshuffle each epoch with a seed derived from trainer.seed and the epoch."""
+    regression_pairs_path: str | None = None
+    """Paired (noise, teacher sample) data for the regression term."""
+
+    def validate(self, key: str) -> None:
+        if not self.name:
+            raise _error(f"{key}.name", self.name, "must name a data provider", "set data.name (e.g. digits)")
+
+
+@dataclass(frozen=True)
+class TrainerSpec:
+    """The driver loop."""
+
+    total_steps: int = 1000
+    """Stop after this many successful student optimizer steps (global steps)."""
+    seed: int = 0
+    """Seed of every random stream (data order, noise, init); part of the fingerprint."""
+    output_dir: str = "outputs"
+    """Where logs, samples, checkpoints (unless checkpoint.root) and exports go."""
+    project_name: str = "verl_dmd"
+    """Tracking project name."""
+    experiment_name: str = "dmd2"
+    """Tracking run name."""
+    loggers: tuple[str, ...] = ("console",)
+    """verl Tracking backends (console, tensorboard, wandb, ...)."""
+    log_every: int = 1
+    """Log metrics every N global steps."""
+    max_consecutive_skips: int = 20
+    """Stop with an error after this many consecutive non-finite phases; 0 never stops."""
+    rpc_timeout_s: float = 1800.0
+    """A worker call not answered within this many seconds ends the run with an error."""
+    progress_bar: bool = True
+    """Show a progress bar (step, phase, losses, throughput)."""
+
+    def validate(self, key: str) -> None:
+        _check_int(f"{key}.total_steps", self.total_steps, minimum=1)
+        _check_int(f"{key}.seed", self.seed, minimum=0)
+        _check_int(f"{key}.log_every", self.log_every, minimum=1)
+        _check_int(f"{key}.max_consecutive_skips", self.max_consecutive_skips, minimum=0)
+        _check_float(
+            f"{key}.rpc_timeout_s", self.rpc_timeout_s, "a positive finite number of seconds", low=0.0
+        )
+        if not self.output_dir:
+            raise _error(f"{key}.output_dir", self.output_dir, "must be a directory path")
+        if not self.loggers:
+            raise _error(f"{key}.loggers", [], "must list at least one backend", "use [console]")
+        for i, backend in enumerate(self.loggers):
+            if backend not in TRACKING_BACKENDS:
+                raise _error(f"{key}.loggers[{i}]", backend, f"allowed: {', '.join(TRACKING_BACKENDS)}")
+
+
+@dataclass(frozen=True)
+class ResourceSpec:
+    """Where workers run."""
+
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """auto: cuda when torch sees a GPU, else cpu."""
+    nnodes: int = 1
+    """Nodes in the ray cluster used."""
+    workers_per_node: int = 1
+    """Workers (ranks) per node; one per GPU on GPU machines."""
+
+    def validate(self, key: str) -> None:
+        _check_int(f"{key}.nnodes", self.nnodes, minimum=1)
+        _check_int(f"{key}.workers_per_node", self.workers_per_node, minimum=1)
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.workers_per_node
+
+
+@dataclass(frozen=True)
+class CheckpointSpec:
+    """Composite checkpoints and resume."""
+
+    root: str | None = None
+    """Checkpoint directory; null means <trainer.output_dir>/checkpoints."""
+    save_every: int = 0
+    """Save every N global steps; 0 saves only at the end and on SIGTERM/SIGINT."""
+    keep_last: int = 3
+    """Keep the newest N checkpoints; 0 keeps all."""
+    keep_every: int = 0
+    """Also keep every checkpoint whose global step is a multiple of N; 0 disables."""
+    resume: str = "auto"
+    """auto (latest complete checkpoint, if any), disable, or a checkpoint directory path."""
+    verify_hashes: bool = False
+    """Check every file's SHA-256 on load (sizes are always checked)."""
+
+    def validate(self, key: str) -> None:
+        _check_int(f"{key}.save_every", self.save_every, minimum=0)
+        _check_int(f"{key}.keep_last", self.keep_last, minimum=0)
+        _check_int(f"{key}.keep_every", self.keep_every, minimum=0)
+        if not self.resume:
+            raise _error(
+                f"{key}.resume", self.resume, "allowed: auto, disable, or a checkpoint directory path"
+            )
+        if self.root is not None and not self.root:
+            raise _error(f"{key}.root", self.root, "must be a directory path or null")
+
+
+@dataclass(frozen=True)
+class ValidationSpec:
+    """Sampling and quality metrics during training."""
+
+    every: int = 0
+    """Validate every N global steps; 0 only at the end."""
+    num_samples: int = 64
+    """Samples per validated role and step count."""
+    sampling_steps: tuple[int, ...] = (1,)
+    """Student step counts to sample with."""
+    roles: tuple[Literal["student", "student_ema", "teacher"], ...] = ("student", "student_ema")
+    """Roles to sample from."""
+
+    def validate(self, key: str) -> None:
+        _check_int(f"{key}.every", self.every, minimum=0)
+        _check_int(f"{key}.num_samples", self.num_samples, minimum=1)
+        if not self.sampling_steps:
+            raise _error(f"{key}.sampling_steps", [], "must list at least one step count")
+        for i, steps in enumerate(self.sampling_steps):
+            _check_int(f"{key}.sampling_steps[{i}]", steps, minimum=1)
+        if not self.roles:
+            raise _error(f"{key}.roles", [], "must list at least one role")
+
+
+@dataclass(frozen=True)
+class ExportSpec:
+    """What `verl-dmd export` writes from a checkpoint."""
+
+    role: Literal["student", "student_ema"] = "student_ema"
+    """The role to export; the EMA is what published runs ship."""
+    formats: tuple[Literal["peft", "diffusers"], ...] = ("peft", "diffusers")
+    """peft: adapter directory; diffusers: merged model via save_pretrained."""
+    output_dir: str | None = None
+    """null means <trainer.output_dir>/export."""
+
+    def validate(self, key: str) -> None:
+        if not self.formats:
+            raise _error(f"{key}.formats", [], "must list at least one of: peft, diffusers")
+
+
+# --------------------------------------------------------------------------- the plan
+
+
+@dataclass(frozen=True)
+class DistillationPlan:
+    """Everything one distillation run needs to know, validated and frozen."""
+
+    algorithm: AlgorithmSpec = field(default_factory=AlgorithmSpec)
+    model: ModelSpec = field(default_factory=ModelSpec)
+    optim: RoleOptimSpecs = field(default_factory=RoleOptimSpecs)
+    batch: RoleBatchSpecs = field(default_factory=RoleBatchSpecs)
+    ema: EmaSpec = field(default_factory=EmaSpec)
+    data: DataSpec = field(default_factory=DataSpec)
+    trainer: TrainerSpec = field(default_factory=TrainerSpec)
+    resources: ResourceSpec = field(default_factory=ResourceSpec)
+    checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
+    validation: ValidationSpec = field(default_factory=ValidationSpec)
+    export: ExportSpec = field(default_factory=ExportSpec)
+
+    SECTIONS: ClassVar[tuple[str, ...]] = (
+        "algorithm",
+        "model",
+        "optim",
+        "batch",
+        "ema",
+        "data",
+        "trainer",
+        "resources",
+        "checkpoint",
+        "validation",
+        "export",
+    )
+
+    def __post_init__(self) -> None:
+        _check_types(self, "")
+        self.algorithm.validate("algorithm")
+        self.model.validate("model")
+        for role in ("student", "fake_score"):
+            getattr(self.optim, role).validate(f"optim.{role}")
+            getattr(self.batch, role).validate(f"batch.{role}")
+        self.ema.validate("ema")
+        self.data.validate("data")
+        self.trainer.validate("trainer")
+        self.resources.validate("resources")
+        self.checkpoint.validate("checkpoint")
+        self.validation.validate("validation")
+        self.export.validate("export")
+        self._validate_across_sections()
+
+    def _validate_across_sections(self) -> None:
+        if self.algorithm.regression_weight > 0 and not self.data.regression_pairs_path:
+            raise _error(
+                "data.regression_pairs_path",
+                self.data.regression_pairs_path,
+                "algorithm.regression_weight > 0 needs paired (noise, teacher sample) data",
+                "set data.regression_pairs_path or algorithm.regression_weight=0",
+            )
+        if self.export.role == "student_ema" and not self.ema.enabled:
+            raise _error(
+                "export.role",
+                self.export.role,
+                "ema.enabled is false, so there is no student_ema to export",
+                "set export.role=student or ema.enabled=true",
+            )
+        if "student_ema" in self.validation.roles and not self.ema.enabled:
+            raise _error(
+                "validation.roles",
+                list(self.validation.roles),
+                "ema.enabled is false, so student_ema cannot be sampled",
+                "remove student_ema from validation.roles or set ema.enabled=true",
+            )
+        if "peft" in self.export.formats and not self.model.student.lora.enabled:
+            raise _error(
+                "export.formats",
+                list(self.export.formats),
+                "the peft format needs a LoRA student but model.student.lora.rank is 0",
+                "export the diffusers format only, or train the student with LoRA",
+            )
+
+    # -- construction
+
+    @classmethod
+    def from_config(cls, config: Any) -> DistillationPlan:
+        """Build and validate a plan from an OmegaConf config or a plain mapping.
+
+        Interpolations are resolved; a missing mandatory value (``???``) is
+        reported with its key. The hydra node, if present, is ignored.
+        """
+        from omegaconf import DictConfig, OmegaConf
+        from omegaconf.errors import MissingMandatoryValue
+
+        # DictConfig registers as a Mapping, so test for it first.
+        if isinstance(config, DictConfig):
+            try:
+                config = OmegaConf.to_container(config, resolve=True, throw_on_missing=True)
+            except MissingMandatoryValue as err:
+                key = getattr(err, "full_key", None) or "?"
+                raise PlanError(
+                    f"config key '{key}' is missing (???): it has no default; fix: set {key}=..."
+                ) from None
+        elif isinstance(config, Mapping):
+            config = dict(config)
+        else:
+            raise PlanError(
+                f"config is a {type(config).__name__}: must be a mapping or an OmegaConf DictConfig"
+            )
+        config.pop("hydra", None)
+        return _build(cls, config, "")
+
+    # -- views
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain, JSON-serialisable nested dict of every key (tuples as lists)."""
+        return _to_plain(self)
+
+    def semantic_dict(self) -> dict[str, Any]:
+        """The nested dict of the keys that define training (RESUME_MUTABLE_KEYS removed)."""
+        return _without_keys(self.to_dict(), RESUME_MUTABLE_KEYS)
+
+    def fingerprint(self) -> str:
+        """SHA-256 hex digest of canonical JSON (sorted keys) of `semantic_dict()`."""
+        return fingerprint_of(self.semantic_dict())
+
+    def semantic_differences(self, other_semantic: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
+        """(dotted key, other's value, this plan's value) for every semantic key that differs.
+
+        `other_semantic` is another plan's `semantic_dict()` (e.g. from a
+        checkpoint manifest); a key present on one side only shows as `<absent>`.
+        """
+        mine = flatten(self.semantic_dict())
+        theirs = flatten(dict(other_semantic))
+        absent = "<absent>"
+        return [
+            (key, theirs.get(key, absent), mine.get(key, absent))
+            for key in sorted(set(mine) | set(theirs))
+            if theirs.get(key, absent) != mine.get(key, absent)
+        ]
+
+
+def fingerprint_of(semantic: Mapping[str, Any]) -> str:
+    """SHA-256 of the canonical JSON of a semantic dict, under FINGERPRINT_SCHEMA."""
+    canonical = json.dumps(
+        semantic, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
+    )
+    return hashlib.sha256(f"{FINGERPRINT_SCHEMA}\n{canonical}".encode()).hexdigest()
+
+
+def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Dotted-key view of a nested dict; leaves (including lists and model configs) stay whole.
+
+    Model configs are leaves so that a changed config shows as one key.
+    """
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        dotted = f"{prefix}.{key}" if prefix else key
+        if isinstance(value, Mapping) and not dotted.endswith(".config"):
+            out.update(flatten(value, dotted))
+        else:
+            out[dotted] = value
+    return out
+
+
+def plan_keys() -> list[str]:
+    """Every dotted key a config may set (for docs and tests)."""
+    return sorted(flatten(_to_plain(_defaults_without_validation())))
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _check_int(key: str, value: Any, *, minimum: int, fix: str | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise _error(key, value, f"must be an integer >= {minimum}", fix)
+
+
+def _check_float(key: str, value: float, allowed: str, *, low: float, closed: bool = False) -> None:
+    ok = math.isfinite(value) and (value >= low if closed else value > low)
+    if not ok:
+        raise _error(key, value, f"must be {allowed}")
+
+
+def _check_source(key: str, path: str | None, subfolder: str | None, config: Any, *, required: bool) -> None:
+    if path is not None and not path:
+        raise _error(f"{key}.path", path, "must be a local model directory or null")
+    if path is not None and config is not None:
+        raise _error(
+            f"{key}.config", "<config>", f"give {key}.path or {key}.config, not both", "remove one of the two"
+        )
+    if subfolder is not None and path is None:
+        raise _error(
+            f"{key}.subfolder", subfolder, f"only applies with {key}.path", f"set {key}.path or remove it"
+        )
+    if required and path is None and config is None:
+        raise _error(
+            f"{key}.path",
+            None,
+            "the teacher needs a source",
+            f"set {key}.path to a local diffusers model directory, or {key}.config to build one",
+        )
+
+
+_SCALARS = (int, float, bool, str)
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(str(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join("null" if a is type(None) else _type_name(a) for a in typing.get_args(tp))
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return f"a list of {_type_name(args[0])}"
+        return f"a list of {len(args)} values"
+    if origin is not None and issubclass(origin, Mapping):
+        return "a mapping"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, str(tp))
+
+
+def _coerce(tp: Any, value: Any, key: str) -> Any:
+    """Check `value` against the annotation `tp`; return it in canonical (frozen) form."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, key)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        non_null = [a for a in args if a is not type(None)]
+        for candidate in non_null:
+            try:
+                return _coerce(candidate, value, key)
+            except PlanError:
+                if len(non_null) == 1:
+                    raise
+        raise _error(key, value, f"must be {_type_name(tp)}")
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if isinstance(value, str) and value in allowed:
+            return value
+        suggestion = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1)
+        fix = f"did you mean {suggestion[0]!r}?" if suggestion else None
+        raise _error(key, value, f"allowed: {', '.join(str(a) for a in allowed)}", fix)
+    if origin is tuple:
+        if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, (list, tuple)):
+            raise _error(key, value, f"must be {_type_name(tp)}")
+        args = typing.get_args(tp)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_coerce(args[0], item, f"{key}[{i}]") for i, item in enumerate(value))
+        if len(value) != len(args):
+            raise _error(key, list(value), f"must be {_type_name(tp)}")
+        return tuple(
+            _coerce(a, item, f"{key}[{i}]") for i, (a, item) in enumerate(zip(args, value, strict=True))
+        )
+    if origin is not None and isinstance(origin, type) and issubclass(origin, Mapping):
+        if not isinstance(value, Mapping):
+            raise _error(key, value, "must be a mapping")
+        return _freeze(value, key)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise _error(key, value, "must be true or false")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise _error(key, value, "must be an integer")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise _error(key, value, "must be a number", "write it unquoted, e.g. 1.0e-4")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise _error(key, value, "must be a string")
+    if tp is Any:
+        return _freeze(value, key)
+    raise TypeError(f"plan field {key} has an unsupported annotation {tp!r}")  # a bug in this module
+
+
+def _freeze(value: Any, key: str) -> Any:
+    """Deep-freeze an opaque mapping (model configs): dicts become read-only, lists tuples."""
+    if isinstance(value, Mapping):
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise _error(f"{key}.{k}", k, "mapping keys must be strings")
+            out[k] = _freeze(v, f"{key}.{k}")
+        return types.MappingProxyType(out)
+    if isinstance(value, (list, tuple)):
+        return tuple(_freeze(v, f"{key}[{i}]") for i, v in enumerate(value))
+    if value is None or isinstance(value, _SCALARS):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise _error(key, value, "must be finite")
+        return value
+    raise _error(key, value, "must be a number, string, boolean, null, list or mapping")
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    if not isinstance(data, Mapping):
+        raise _error(prefix or "<root>", data, f"must be a mapping with keys {', '.join(fields)}")
+    for name in data:
+        if name not in fields:
+            key = f"{prefix}.{name}" if prefix else str(name)
+            close = difflib.get_close_matches(str(name), list(fields), n=1)
+            hint = f"did you mean '{close[0]}'?" if close else f"allowed keys here: {', '.join(fields)}"
+            raise PlanError(f"config key '{key}' is unknown; {hint}")
+    kwargs = {}
+    for name in fields:
+        if name in data:
+            kwargs[name] = _coerce(hints[name], data[name], f"{prefix}.{name}" if prefix else name)
+    return cls(**kwargs)
+
+
+def _check_types(obj: Any, prefix: str) -> None:
+    """Re-check annotations for plans built directly (not through from_config)."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        key = f"{prefix}.{f.name}" if prefix else f.name
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(hints[f.name]):
+            if not isinstance(value, hints[f.name]):
+                raise _error(key, value, f"must be a {hints[f.name].__name__}")
+            _check_types(value, key)
+        else:
+            canonical = _coerce(hints[f.name], value, key)
+            if canonical is not value:
+                object.__setattr__(obj, f.name, canonical)
+
+
+def _to_plain(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, Mapping):
+        return {k: _to_plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_to_plain(v) for v in obj]
+    return obj
+
+
+def _without_keys(tree: dict[str, Any], dotted_keys: tuple[str, ...]) -> dict[str, Any]:
+    out = json.loads(json.dumps(tree))  # deep copy of plain data
+    for dotted in dotted_keys:
+        node = out
+        *parents, leaf = dotted.split(".")
+        for part in parents:
+            node = node.get(part, {})
+        node.pop(leaf, None)
+    return out
+
+
+def _defaults_without_validation() -> DistillationPlan:
+    """A plan of pure defaults, bypassing validation (the defaults alone are not runnable)."""
+    plan = object.__new__(DistillationPlan)
+    for f in dataclasses.fields(DistillationPlan):
+        object.__setattr__(plan, f.name, f.default_factory())  # type: ignore[misc]
+    return plan
