@@ -1,0 +1,98 @@
+"""The model-adapter contract: what verl_dmd needs to know about one model family."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where one model's weights come from: a local directory or a config (random init)."""
+
+    path: str | None = None
+    subfolder: str | None = None
+    config: Mapping[str, Any] | None = None
+
+    @classmethod
+    def of(cls, spec: Any) -> ModelSource:
+        """From a plan spec (TeacherSpec / TrainableModelSpec)."""
+        return cls(path=spec.path, subfolder=spec.subfolder, config=spec.config)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.path is None and self.config is None
+
+
+def plain(value: Any) -> Any:
+    """A deep-frozen plan mapping back to plain dicts and lists (what model constructors expect)."""
+    if isinstance(value, Mapping):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return [plain(v) for v in value]
+    return value
+
+
+class DistributionMatchingModelAdapter:
+    """Knows one model family: building it, sharding it, adapting it and calling it.
+
+    Subclasses set `model_class` (a diffusers `ModelMixin` with peft support),
+    `default_lora_targets`, and implement `fsdp_units`, `predict` and
+    `example_batch`. `parameterization` says what `predict` returns; the
+    losses convert it to x0 through `verl_dmd.losses`.
+    """
+
+    name: ClassVar[str] = ""
+    model_class: ClassVar[type[nn.Module]]
+    parameterization: ClassVar[str] = "velocity"
+    default_lora_targets: ClassVar[tuple[str, ...]] = ("to_q", "to_k", "to_v", "to_out.0")
+
+    def build_model(self, source: ModelSource) -> nn.Module:
+        """Load from a local directory (never downloads) or build from a config (random init).
+
+        Random init draws from torch's global RNG: callers seed it identically on
+        every rank so that all ranks hold the same weights.
+        """
+        if source.path is not None:
+            kwargs = {"local_files_only": True, "torch_dtype": torch.float32}
+            if source.subfolder:
+                kwargs["subfolder"] = source.subfolder
+            try:
+                model = self.model_class.from_pretrained(source.path, **kwargs)
+            except (OSError, ValueError) as err:
+                first = str(err).splitlines()[0] if str(err) else type(err).__name__
+                raise ValueError(
+                    f"model path {source.path!r} (subfolder {source.subfolder!r}) could not be loaded as "
+                    f"{self.model_class.__name__}: {first}; fix: point model.*.path at a local diffusers "
+                    "model directory"
+                ) from None
+        elif source.config is not None:
+            try:
+                model = self.model_class.from_config(plain(source.config))
+            except TypeError as err:
+                raise ValueError(
+                    f"model config for adapter {self.name!r} was rejected by {self.model_class.__name__}: {err}"
+                ) from None
+        else:
+            raise ValueError("model source has neither a path nor a config")
+        return model
+
+    def fsdp_units(self, model: nn.Module) -> Sequence[nn.Module]:
+        """The submodules sharded as their own FSDP2 units (usually the transformer blocks)."""
+        raise NotImplementedError
+
+    def predict(
+        self, model: nn.Module, x_t: torch.Tensor, sigma: torch.Tensor, cond: Mapping[str, torch.Tensor]
+    ):
+        """The model's raw prediction at noise level `sigma` (shape (batch,)) with conditioning `cond`."""
+        raise NotImplementedError
+
+    def example_batch(
+        self, model: nn.Module, batch_size: int, generator: torch.Generator
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """A random (x0, cond) batch of the shapes the model takes (tests, benchmarks, warm-up)."""
+        raise NotImplementedError

@@ -1,0 +1,122 @@
+"""Adapters for diffusers' flow-matching transformers: SD3/SD3.5, Flux and Wan.
+
+Conditioning is precomputed (text encoders stay outside the training loop):
+`cond` holds prompt embeddings and, where the family uses them, pooled
+embeddings. Every family predicts the flow-matching velocity `eps - x0`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import torch
+from diffusers import FluxTransformer2DModel, SD3Transformer2DModel, WanTransformer3DModel
+from torch import nn
+
+from verl_dmd.adapters.base import DistributionMatchingModelAdapter
+from verl_dmd.adapters.registry import register_adapter
+
+
+def _randn(shape: Sequence[int], generator: torch.Generator) -> torch.Tensor:
+    return torch.randn(*shape, generator=generator)
+
+
+@register_adapter("sd3")
+class SD3Adapter(DistributionMatchingModelAdapter):
+    """SD3 / SD3.5 MMDiT: latents (B, C, H, W); timestep = 1000 * sigma."""
+
+    model_class = SD3Transformer2DModel
+
+    def fsdp_units(self, model: nn.Module) -> Sequence[nn.Module]:
+        return list(model.transformer_blocks)
+
+    def predict(self, model, x_t, sigma, cond: Mapping[str, torch.Tensor]):
+        return model(
+            hidden_states=x_t,
+            encoder_hidden_states=cond["encoder_hidden_states"],
+            pooled_projections=cond["pooled_projections"],
+            timestep=sigma * 1000.0,
+            return_dict=False,
+        )[0]
+
+    def example_batch(self, model, batch_size, generator):
+        cfg = model.config
+        x0 = _randn((batch_size, cfg.in_channels, cfg.sample_size, cfg.sample_size), generator)
+        cond = {
+            "encoder_hidden_states": _randn((batch_size, 4, cfg.joint_attention_dim), generator),
+            "pooled_projections": _randn((batch_size, cfg.pooled_projection_dim), generator),
+        }
+        return x0, cond
+
+
+@register_adapter("flux")
+class FluxAdapter(DistributionMatchingModelAdapter):
+    """Flux: packed latent tokens (B, N, C) on a square grid; timestep = sigma.
+
+    Position ids are derived from the token grid here, so `cond` holds only
+    per-sample tensors (micro-batching splits every entry along dim 0).
+    """
+
+    model_class = FluxTransformer2DModel
+
+    def fsdp_units(self, model: nn.Module) -> Sequence[nn.Module]:
+        return [*model.transformer_blocks, *model.single_transformer_blocks]
+
+    @staticmethod
+    def _ids(num_tokens: int, num_text: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        side = math.isqrt(num_tokens)
+        if side * side != num_tokens:
+            raise ValueError(f"flux adapter: {num_tokens} latent tokens do not form a square grid")
+        rows = torch.arange(side, device=like.device).repeat_interleave(side)
+        cols = torch.arange(side, device=like.device).repeat(side)
+        img_ids = torch.stack([torch.zeros_like(rows), rows, cols], dim=1).to(like.dtype)
+        txt_ids = torch.zeros(num_text, 3, device=like.device, dtype=like.dtype)
+        return img_ids, txt_ids
+
+    def predict(self, model, x_t, sigma, cond: Mapping[str, torch.Tensor]):
+        text = cond["encoder_hidden_states"]
+        img_ids, txt_ids = self._ids(x_t.shape[1], text.shape[1], x_t)
+        return model(
+            hidden_states=x_t,
+            encoder_hidden_states=text,
+            pooled_projections=cond["pooled_projections"],
+            timestep=sigma,
+            img_ids=img_ids,
+            txt_ids=txt_ids,
+            guidance=cond.get("guidance"),
+            return_dict=False,
+        )[0]
+
+    def example_batch(self, model, batch_size, generator):
+        cfg = model.config
+        x0 = _randn((batch_size, 16, cfg.in_channels), generator)
+        cond = {
+            "encoder_hidden_states": _randn((batch_size, 4, cfg.joint_attention_dim), generator),
+            "pooled_projections": _randn((batch_size, cfg.pooled_projection_dim), generator),
+        }
+        return x0, cond
+
+
+@register_adapter("wan")
+class WanAdapter(DistributionMatchingModelAdapter):
+    """Wan 2.x video DiT: latents (B, C, F, H, W); timestep = 1000 * sigma."""
+
+    model_class = WanTransformer3DModel
+
+    def fsdp_units(self, model: nn.Module) -> Sequence[nn.Module]:
+        return list(model.blocks)
+
+    def predict(self, model, x_t, sigma, cond: Mapping[str, torch.Tensor]):
+        return model(
+            hidden_states=x_t,
+            timestep=sigma * 1000.0,
+            encoder_hidden_states=cond["encoder_hidden_states"],
+            return_dict=False,
+        )[0]
+
+    def example_batch(self, model, batch_size, generator):
+        cfg = model.config
+        x0 = _randn((batch_size, cfg.in_channels, 2, 8, 8), generator)
+        cond = {"encoder_hidden_states": _randn((batch_size, 4, cfg.text_dim), generator)}
+        return x0, cond

@@ -1,0 +1,86 @@
+"""A tiny reference phase computer: per-role regression, used to test the runtime without DMD2.
+
+Each phase regresses the active role's prediction onto `batch["target"]`. In
+student phases the teacher and the fake score also run (under no_grad) between
+the student's forward and its backward, and shift the target; that is exactly
+the pattern DMD2 has, so the runtime's role switching is exercised for real.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from verl_dmd.adapters.base import DistributionMatchingModelAdapter
+from verl_dmd.phases import PhaseOutput, PhaseRequest, Role
+
+COND_PREFIX = "cond."
+
+
+def regression_batch(
+    adapter: DistributionMatchingModelAdapter, model: torch.nn.Module, batch_size: int, seed: int
+) -> dict[str, torch.Tensor]:
+    """A deterministic batch for `ReferenceRegressionComputer`: x_t, sigma, target and cond.* tensors."""
+    generator = torch.Generator().manual_seed(seed)
+    x0, cond = adapter.example_batch(model, batch_size, generator)
+    sigma = torch.rand(batch_size, generator=generator)
+    noise = torch.randn(x0.shape, generator=generator)
+    batch = {
+        "x_t": (1 - sigma.view(-1, *[1] * (x0.dim() - 1))) * x0
+        + sigma.view(-1, *[1] * (x0.dim() - 1)) * noise
+    }
+    batch["sigma"] = sigma
+    batch["target"] = noise - x0
+    batch.update({COND_PREFIX + k: v for k, v in cond.items()})
+    return batch
+
+
+class ReferenceRegressionComputer:
+    """Mean-squared error of the role's prediction; optional count-mode normalizer."""
+
+    def __init__(
+        self,
+        adapter: DistributionMatchingModelAdapter,
+        *,
+        frozen_mix: float = 0.1,
+        normalizer: str = "mean",
+        leak_role: Role | None = None,
+    ) -> None:
+        if normalizer not in ("mean", "count"):
+            raise ValueError(f"normalizer = {normalizer!r}: allowed: mean, count")
+        self.adapter = adapter
+        self.frozen_mix = frozen_mix
+        self.normalizer = normalizer
+        # Test hook: run `leak_role` with grad enabled, which the runtime must reject.
+        self.leak_role = leak_role
+        self.calls = 0
+
+    def _predict(self, module, batch: Mapping[str, Any]) -> torch.Tensor:
+        cond = {k[len(COND_PREFIX) :]: v for k, v in batch.items() if k.startswith(COND_PREFIX)}
+        return self.adapter.predict(module, batch["x_t"], batch["sigma"], cond)
+
+    def compute_phase(self, request: PhaseRequest, batch, runtime, *, micro_batch_index, num_micro_batches):
+        self.calls += 1
+        prediction = self._predict(runtime.engine.module_for(request.role), batch)
+        target = batch["target"]
+        if request.role is Role.STUDENT and self.frozen_mix:
+            with torch.no_grad():
+                with runtime.use_role(Role.TEACHER) as teacher:
+                    teacher_prediction = self._predict(teacher, batch)
+                with runtime.use_role(Role.FAKE_SCORE) as fake:
+                    fake_prediction = self._predict(fake, batch)
+            target = target + self.frozen_mix * (teacher_prediction - fake_prediction)
+        loss = (prediction.float() - target.float()).square().mean()
+        if self.leak_role is not None:
+            with runtime.use_role(self.leak_role) as leaking:
+                loss = loss + 0.0 * self._predict(leaking, batch).float().mean()
+        count = float(target.numel()) if self.normalizer == "count" else None
+        return PhaseOutput(loss=loss, metrics={"mse": loss.detach()}, loss_normalizer=count)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"calls": self.calls}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.calls = int(state["calls"])

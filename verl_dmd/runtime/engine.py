@@ -1,0 +1,433 @@
+"""The role engine: one physical model group holding every role, sharded with FSDP2.
+
+Two layouts (`model.storage`):
+
+- ``shared_base_adapters``: one frozen base with the LoRA adapters ``student``,
+  ``fake_score`` and (with EMA) ``student_ema``; the teacher is the base with
+  adapters disabled. Every adapter is added before `fully_shard` (TRAPS: an
+  adapter added later is a replicated parameter whose gradients never sync).
+- ``independent``: a frozen teacher plus separate student and fake-score models
+  (each optionally LoRA-adapted); the student's EMA is kept as per-parameter
+  state next to its shards.
+
+Two pieces of state are kept apart on purpose:
+- the *active* role: whose weights a forward uses (`use_role`);
+- the *trainable* role: whose parameters require grad (`trainable`), fixed for
+  a whole phase. Switching the active role never changes the trainable set,
+  so a frozen forward between the student's forward and its backward cannot drop
+  the student's gradients (TRAPS: PEFT switching between forward and backward).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import logging
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from verl_dmd.adapters.base import DistributionMatchingModelAdapter, ModelSource
+from verl_dmd.phases import TRAINABLE_ROLES, Role
+from verl_dmd.plan import DistillationPlan, LoraSpec
+from verl_dmd.runtime.optim import build_adamw, build_scheduler
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_LORA_CONTAINERS = ("lora_A", "lora_B")
+
+
+class GradientIsolationError(RuntimeError):
+    """A parameter outside the phase's role received a gradient."""
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The rank-local shard of a DTensor (or the tensor itself)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _adapter_of(param_name: str) -> str | None:
+    """The LoRA adapter a parameter belongs to (`...lora_A.<adapter>.weight`), else None."""
+    parts = param_name.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part in _LORA_CONTAINERS:
+            return parts[i + 1]
+    return None
+
+
+def _lora_config(spec: LoraSpec, default_targets: Sequence[str]):
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=spec.rank,
+        lora_alpha=spec.alpha if spec.alpha is not None else spec.rank,
+        lora_dropout=spec.dropout,
+        target_modules=list(spec.target_modules or default_targets),
+        init_lora_weights=True,
+    )
+
+
+def load_peft_adapter_dir(model: nn.Module, path: str, adapter_name: str, spec: LoraSpec, key: str) -> None:
+    """Load a saved PEFT adapter directory into `adapter_name` (before sharding).
+
+    Rank and alpha must match the plan's, since the plan defines the shapes and
+    the scale; a mismatch is a one-line error naming the key.
+    """
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    directory = Path(path)
+    config_file, weights_file = directory / "adapter_config.json", directory / "adapter_model.safetensors"
+    for needed in (config_file, weights_file):
+        if not needed.is_file():
+            raise ValueError(
+                f"config key '{key}.init_path' = {path!r}: {needed.name} not found; "
+                "fix: point it at a PEFT adapter directory (adapter_config.json + adapter_model.safetensors)"
+            )
+    saved = json.loads(config_file.read_text())
+    want_alpha = spec.alpha if spec.alpha is not None else float(spec.rank)
+    if saved.get("r") != spec.rank or float(saved.get("lora_alpha", -1)) != float(want_alpha):
+        raise ValueError(
+            f"config key '{key}.init_path' = {path!r}: the adapter has rank {saved.get('r')} and alpha "
+            f"{saved.get('lora_alpha')} but {key}.rank = {spec.rank} and alpha = {want_alpha}; "
+            "fix: set the plan's rank and alpha to the adapter's"
+        )
+    state = load_file(str(weights_file))
+    result = set_peft_model_state_dict(model, state, adapter_name=adapter_name)
+    unexpected = list(getattr(result, "unexpected_keys", []) or [])
+    if unexpected:
+        raise ValueError(
+            f"config key '{key}.init_path' = {path!r}: {len(unexpected)} adapter weights match no module "
+            f"(first: {unexpected[0]}); fix: use an adapter trained for this model and target_modules"
+        )
+
+
+class RoleEngine:
+    """Owns the models, the LoRA adapters, both optimizers and schedulers, and the EMA."""
+
+    def __init__(
+        self,
+        plan: DistillationPlan,
+        adapter: DistributionMatchingModelAdapter,
+        *,
+        device: torch.device | str = "cpu",
+        mesh=None,
+    ) -> None:
+        self.plan = plan
+        self.adapter = adapter
+        self.device = torch.device(device)
+        self.mesh = mesh
+        self.layout = plan.model.storage
+        self.ema_enabled = plan.ema.enabled
+        self._active: Role | None = None
+        self._trainable: Role | None = None
+
+        # Same seed on every rank: random init (configs, LoRA A matrices) must agree.
+        torch.manual_seed(plan.trainer.seed)
+        if self.layout == "shared_base_adapters":
+            self.models: dict[str, nn.Module] = {"base": self._build_shared()}
+        else:
+            self.models = self._build_independent()
+        for model in self.models.values():
+            model.to(self.device)
+            self._shard(
+                model, offload=model is self.models.get("teacher") or self.layout == "shared_base_adapters"
+            )
+        self.params: dict[Role, list[nn.Parameter]] = {}
+        self.param_names: dict[int, str] = {}
+        self._collect_parameters()
+        self._independent_ema: list[torch.Tensor] = []
+        if self.ema_enabled and self.layout == "independent":
+            self._independent_ema = [local_tensor(p).detach().clone() for p in self.params[Role.STUDENT]]
+        self._finish_lazy_init()
+        self.optimizers = {
+            role: build_adamw(self.params[role], getattr(plan.optim, role.value)) for role in TRAINABLE_ROLES
+        }
+        self.schedulers = {
+            role: build_scheduler(self.optimizers[role], getattr(plan.optim, role.value).scheduler)
+            for role in TRAINABLE_ROLES
+        }
+        self._apply_trainable()
+        self._activate(None)
+
+    # ------------------------------------------------------------------ building
+
+    def _build_shared(self) -> nn.Module:
+        base = self.adapter.build_model(ModelSource.of(self.plan.model.teacher))
+        base.requires_grad_(False)
+        names = [Role.STUDENT, Role.FAKE_SCORE] + ([Role.STUDENT_EMA] if self.ema_enabled else [])
+        for role in names:
+            spec = self._lora_spec(role)
+            base.add_adapter(_lora_config(spec, self.adapter.default_lora_targets), adapter_name=role.value)
+            if spec.init_path and role is not Role.STUDENT_EMA:
+                load_peft_adapter_dir(base, spec.init_path, role.value, spec, f"model.{role.value}.lora")
+        if self.ema_enabled:
+            self._copy_adapter(base, Role.STUDENT.value, Role.STUDENT_EMA.value)
+        return base
+
+    def _build_independent(self) -> dict[str, nn.Module]:
+        teacher = self.adapter.build_model(ModelSource.of(self.plan.model.teacher))
+        teacher.requires_grad_(False)
+        models = {"teacher": teacher}
+        for role in TRAINABLE_ROLES:
+            spec = getattr(self.plan.model, role.value)
+            source = ModelSource.of(spec)
+            model = copy.deepcopy(teacher) if source.is_empty else self.adapter.build_model(source)
+            if spec.lora.enabled:
+                model.requires_grad_(False)
+                model.add_adapter(
+                    _lora_config(spec.lora, self.adapter.default_lora_targets), adapter_name=role.value
+                )
+                if spec.lora.init_path:
+                    load_peft_adapter_dir(
+                        model, spec.lora.init_path, role.value, spec.lora, f"model.{role.value}.lora"
+                    )
+            else:
+                model.requires_grad_(True)
+            models[role.value] = model
+        return models
+
+    def _lora_spec(self, role: Role) -> LoraSpec:
+        owner = Role.STUDENT if role is Role.STUDENT_EMA else role
+        return getattr(self.plan.model, owner.value).lora
+
+    @staticmethod
+    def _copy_adapter(model: nn.Module, source: str, target: str) -> None:
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for name, param in params.items():
+                if _adapter_of(name) == source:
+                    params[name.replace(f".{source}.", f".{target}.")].copy_(param)
+
+    def _shard(self, model: nn.Module, *, offload: bool) -> None:
+        param_dtype = _DTYPES[self.plan.model.param_dtype]
+        mp_policy = MixedPrecisionPolicy(
+            param_dtype=None if param_dtype is torch.float32 else param_dtype,
+            reduce_dtype=_DTYPES[self.plan.model.reduce_dtype],
+        )
+        kwargs = {"mesh": self.mesh, "mp_policy": mp_policy}
+        if offload and self.plan.model.teacher.cpu_offload:
+            # pin_memory needs an accelerator (TRAPS: CPUOffloadPolicy on CPU).
+            kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
+        if self.plan.model.activation_checkpointing:
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+                apply_activation_checkpointing,
+            )
+
+            units = set(map(id, self.adapter.fsdp_units(model)))
+            apply_activation_checkpointing(model, check_fn=lambda m: id(m) in units)
+        for unit in self.adapter.fsdp_units(model):
+            fully_shard(unit, **kwargs)
+        fully_shard(model, **kwargs)
+
+    def _collect_parameters(self) -> None:
+        """Partition every parameter into exactly one role (or the frozen base); assert it."""
+        groups: dict[Role, list[nn.Parameter]] = {role: [] for role in (*TRAINABLE_ROLES, Role.STUDENT_EMA)}
+        frozen: list[nn.Parameter] = []
+        seen: set[int] = set()
+        for model_name, model in self.models.items():
+            for name, param in model.named_parameters():
+                full = f"{model_name}.{name}"
+                if id(param) in seen:
+                    raise AssertionError(f"parameter {full} is shared between roles")
+                seen.add(id(param))
+                self.param_names[id(param)] = full
+                role = self._role_of(model_name, name)
+                (groups[role] if role is not None else frozen).append(param)
+        for role in TRAINABLE_ROLES:
+            if not groups[role]:
+                raise AssertionError(f"role {role.value} has no trainable parameters")
+        self.params = groups
+        self.frozen_params = frozen
+
+    def _role_of(self, model_name: str, param_name: str) -> Role | None:
+        adapter = _adapter_of(param_name)
+        if self.layout == "shared_base_adapters":
+            return Role(adapter) if adapter is not None else None
+        if model_name == "teacher":
+            return None
+        role = Role(model_name)
+        lora = getattr(self.plan.model, model_name).lora
+        if lora.enabled:
+            return role if adapter == model_name else None
+        return role
+
+    def _finish_lazy_init(self) -> None:
+        """Run FSDP2's lazy init now, with both trainable roles marked trainable.
+
+        FSDP2 fixes each group's gradient dtype at the first forward from the
+        parameters requiring grad then; a first forward by a frozen role would
+        leave low-precision gradients meeting fp32 shards later (TRAPS).
+        """
+        self._trainable = None
+        for role in TRAINABLE_ROLES:
+            for p in self.params[role]:
+                p.requires_grad_(True)
+        for model in self.models.values():
+            model._get_fsdp_state()._lazy_init()
+        for role in TRAINABLE_ROLES:
+            for p in self.params[role]:
+                p.requires_grad_(False)
+
+    # ------------------------------------------------------------------ roles
+
+    def fsdp_modules(self) -> list[FSDPModule]:
+        """Every FSDP2 module (units and roots) of every model."""
+        return [m for model in self.models.values() for m in model.modules() if isinstance(m, FSDPModule)]
+
+    def reshard(self) -> None:
+        """Free every gathered parameter; required before flipping flags or swapping weights (TRAPS)."""
+        for module in self.fsdp_modules():
+            module.reshard()
+
+    def module_for(self, role: Role) -> nn.Module:
+        if self.layout == "shared_base_adapters":
+            return self.models["base"]
+        return self.models[Role.STUDENT.value if role is Role.STUDENT_EMA else role.value]
+
+    @property
+    def active_role(self) -> Role | None:
+        return self._active
+
+    @property
+    def trainable_role(self) -> Role | None:
+        return self._trainable
+
+    @contextlib.contextmanager
+    def use_role(self, role: Role | str) -> Iterator[nn.Module]:
+        """Run forwards as `role`; restores the previous role and the trainable set on exit.
+
+        Train/eval mode follows the role: only the trainable role in its own phase
+        runs in train mode. Frozen roles should be called under ``torch.no_grad``.
+        """
+        role = Role(role)
+        if role is Role.STUDENT_EMA and not self.ema_enabled:
+            raise ValueError("role student_ema does not exist: ema.enabled is false")
+        previous = self._active
+        self._activate(role)
+        try:
+            yield self.module_for(role)
+        finally:
+            self._activate(previous)
+
+    def _activate(self, role: Role | None) -> None:
+        self.reshard()  # flags flipped on gathered copies are lost at the next reshard (TRAPS)
+        if self.layout == "shared_base_adapters":
+            self._switch_adapter(role)
+        elif role is not self._active and Role.STUDENT_EMA in (role, self._active):
+            self._swap_ema()
+        self._active = role
+        for model in self.models.values():
+            model.eval()
+        if role is not None and role is self._trainable:
+            self.module_for(role).train()
+        self._apply_trainable()
+
+    def _switch_adapter(self, role: Role | None) -> None:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        base = self.models["base"]
+        name = Role.STUDENT.value if role is None else role.value
+        for module in base.modules():
+            if isinstance(module, BaseTunerLayer):
+                if role is Role.TEACHER:
+                    module.enable_adapters(False)
+                else:
+                    module.enable_adapters(True)
+                    # inference_mode freezes everything; _apply_trainable sets the real flags.
+                    module.set_adapter(name, inference_mode=True)
+
+    def _swap_ema(self) -> None:
+        """Exchange the student's shards with the EMA shards in place (independent layout)."""
+        with torch.no_grad():
+            for param, ema in zip(self.params[Role.STUDENT], self._independent_ema, strict=True):
+                shard = local_tensor(param)
+                scratch = shard.clone()
+                shard.copy_(ema)
+                ema.copy_(scratch)
+
+    @contextlib.contextmanager
+    def trainable(self, role: Role | None) -> Iterator[None]:
+        """Make `role`'s parameters (and only those) require grad for the duration of a phase."""
+        if role is not None and not Role(role).trainable:
+            raise ValueError(f"role {role} cannot train")
+        previous = self._trainable
+        self._trainable = None if role is None else Role(role)
+        self.reshard()
+        self._apply_trainable()
+        try:
+            yield
+        finally:
+            self._trainable = previous
+            self.reshard()
+            self._apply_trainable()
+
+    def _apply_trainable(self) -> None:
+        for role, params in self.params.items():
+            flag = role is self._trainable
+            for p in params:
+                if p.requires_grad != flag:
+                    p.requires_grad_(flag)
+        for p in self.frozen_params:
+            if p.requires_grad:
+                p.requires_grad_(False)
+
+    # ------------------------------------------------------------------ gradients
+
+    def zero_grad(self, role: Role) -> None:
+        self.optimizers[role].zero_grad(set_to_none=True)
+
+    def check_gradient_isolation(self, role: Role) -> None:
+        """Fail closed if any parameter outside `role` holds a gradient."""
+        own = set(map(id, self.params[role]))
+        for params in (*self.params.values(), self.frozen_params):
+            for p in params:
+                if id(p) not in own and p.grad is not None:
+                    raise GradientIsolationError(
+                        f"gradient isolation broken in a {role.value} phase: parameter "
+                        f"{self.param_names[id(p)]} (not a {role.value} parameter) holds a gradient; "
+                        "a phase computer must run every other role under torch.no_grad"
+                    )
+
+    def set_gradient_sync(self, role: Role, enabled: bool) -> None:
+        for module in self.fsdp_modules():
+            module.set_requires_gradient_sync(enabled, recurse=False)
+
+    # ------------------------------------------------------------------ EMA
+
+    def update_ema(self, global_step: int) -> None:
+        """After a successful student step: EMA <- lerp(student), or a copy before ema.start_step."""
+        if not self.ema_enabled:
+            return
+        weight = 1.0 if global_step < self.plan.ema.start_step else 1.0 - self.plan.ema.decay
+        if self.layout == "shared_base_adapters":
+            targets = [local_tensor(p) for p in self.params[Role.STUDENT_EMA]]
+        else:
+            targets = self._independent_ema
+        with torch.no_grad():
+            for target, student in zip(targets, self.params[Role.STUDENT], strict=True):
+                target.lerp_(local_tensor(student), weight)
+
+    # ------------------------------------------------------------------ memory
+
+    def parameter_bytes(self) -> dict[str, int]:
+        """Bytes of local parameter shards on this rank: frozen (base/teacher) and per role."""
+
+        def size(params):
+            return sum(local_tensor(p).numel() * local_tensor(p).element_size() for p in params)
+
+        out = {"frozen": size(self.frozen_params)}
+        out.update({role.value: size(params) for role, params in self.params.items()})
+        out["ema_state"] = sum(t.numel() * t.element_size() for t in self._independent_ema)
+        return out
+
+
+def data_parallel_group_size(group=None) -> int:
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
