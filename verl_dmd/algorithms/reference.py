@@ -72,7 +72,8 @@ class ReferenceRegressionComputer:
                 with runtime.use_role(Role.FAKE_SCORE) as fake:
                     fake_prediction = self._predict(fake, batch)
             target = target + self.frozen_mix * (teacher_prediction - fake_prediction)
-        loss = (prediction.float() - target.float()).square().mean()
+        dtype = torch.promote_types(prediction.dtype, torch.float32)  # float64 runs stay float64
+        loss = (prediction.to(dtype) - target.to(dtype)).square().mean()
         if self.leak_role is not None:
             with runtime.use_role(self.leak_role) as leaking:
                 loss = loss + 0.0 * self._predict(leaking, batch).float().mean()

@@ -143,9 +143,11 @@ class RoleEngine:
         self.params: dict[Role, list[nn.Parameter]] = {}
         self.param_names: dict[int, str] = {}
         self._collect_parameters()
-        self._independent_ema: list[torch.Tensor] = []
+        # Independent layout: EMA as per-parameter state with the parameters' sharding (DTensors),
+        # so checkpoints save and reshard it like the parameters themselves.
+        self.independent_ema: list[torch.Tensor] = []
         if self.ema_enabled and self.layout == "independent":
-            self._independent_ema = [local_tensor(p).detach().clone() for p in self.params[Role.STUDENT]]
+            self.independent_ema = [p.detach().clone() for p in self.params[Role.STUDENT]]
         self._finish_lazy_init()
         self.optimizers = {
             role: build_adamw(self.params[role], getattr(plan.optim, role.value)) for role in TRAINABLE_ROLES
@@ -208,9 +210,13 @@ class RoleEngine:
 
     def _shard(self, model: nn.Module, *, offload: bool) -> None:
         param_dtype = _DTYPES[self.plan.model.param_dtype]
+        reduce_dtype = _DTYPES[self.plan.model.reduce_dtype]
+        # Without low-precision parameters, "reduce in float32" means "reduce in the parameters'
+        # own dtype": forcing float32 would round float64 gradients (seen in the float64 tests).
+        mixed = param_dtype is not torch.float32
         mp_policy = MixedPrecisionPolicy(
-            param_dtype=None if param_dtype is torch.float32 else param_dtype,
-            reduce_dtype=_DTYPES[self.plan.model.reduce_dtype],
+            param_dtype=param_dtype if mixed else None,
+            reduce_dtype=None if not mixed and reduce_dtype is torch.float32 else reduce_dtype,
         )
         kwargs = {"mesh": self.mesh, "mp_policy": mp_policy}
         if offload and self.plan.model.teacher.cpu_offload:
@@ -347,11 +353,11 @@ class RoleEngine:
     def _swap_ema(self) -> None:
         """Exchange the student's shards with the EMA shards in place (independent layout)."""
         with torch.no_grad():
-            for param, ema in zip(self.params[Role.STUDENT], self._independent_ema, strict=True):
-                shard = local_tensor(param)
+            for param, ema in zip(self.params[Role.STUDENT], self.independent_ema, strict=True):
+                shard, ema_shard = local_tensor(param), local_tensor(ema)
                 scratch = shard.clone()
-                shard.copy_(ema)
-                ema.copy_(scratch)
+                shard.copy_(ema_shard)
+                ema_shard.copy_(scratch)
 
     @contextlib.contextmanager
     def trainable(self, role: Role | None) -> Iterator[None]:
@@ -410,7 +416,7 @@ class RoleEngine:
         if self.layout == "shared_base_adapters":
             targets = [local_tensor(p) for p in self.params[Role.STUDENT_EMA]]
         else:
-            targets = self._independent_ema
+            targets = [local_tensor(t) for t in self.independent_ema]
         with torch.no_grad():
             for target, student in zip(targets, self.params[Role.STUDENT], strict=True):
                 target.lerp_(local_tensor(student), weight)
@@ -425,7 +431,7 @@ class RoleEngine:
 
         out = {"frozen": size(self.frozen_params)}
         out.update({role.value: size(params) for role, params in self.params.items()})
-        out["ema_state"] = sum(t.numel() * t.element_size() for t in self._independent_ema)
+        out["ema_state"] = size(self.independent_ema)
         return out
 
 

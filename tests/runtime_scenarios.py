@@ -1,0 +1,202 @@
+"""Shared set-up for the runtime tests: tiny model configs, plans, and the rank-side scenarios."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from verl_dmd.adapters import get_adapter
+from verl_dmd.algorithms.reference import ReferenceRegressionComputer, regression_batch
+from verl_dmd.controller import DistillationController
+from verl_dmd.phases import PhaseRequest, Role
+from verl_dmd.plan import DistillationPlan
+from verl_dmd.runtime.engine import RoleEngine
+from verl_dmd.runtime.runtime import DistillationRoleRuntime
+
+TINY_CONFIGS = {
+    "sd3": dict(
+        sample_size=8,
+        patch_size=2,
+        in_channels=4,
+        num_layers=2,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        joint_attention_dim=16,
+        caption_projection_dim=16,
+        pooled_projection_dim=8,
+        out_channels=4,
+        pos_embed_max_size=16,
+    ),
+    "flux": dict(
+        patch_size=1,
+        in_channels=8,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        joint_attention_dim=16,
+        pooled_projection_dim=8,
+        axes_dims_rope=(2, 2, 4),
+    ),
+    "wan": dict(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=8,
+        in_channels=4,
+        out_channels=4,
+        text_dim=16,
+        freq_dim=16,
+        ffn_dim=16,
+        num_layers=2,
+        rope_max_seq_len=32,
+    ),
+}
+
+FAKE_UPDATE_RATIO = 2
+WARMUP = 1
+PHASES = 5  # fake, student, fake, fake, student
+MICRO_BATCH = 2
+ACCUMULATION = 2
+
+
+def make_plan(family: str, layout: str, **overrides) -> DistillationPlan:
+    config = {
+        "model": {
+            "adapter": family,
+            "storage": layout,
+            "teacher": {"config": TINY_CONFIGS[family]},
+            "student": {"lora": {"rank": 4}},
+            "fake_score": {"lora": {"rank": 4}},
+        },
+        "data": {"name": "synthetic"},
+        "algorithm": {"fake_update_ratio": FAKE_UPDATE_RATIO, "fake_warmup_steps": WARMUP},
+        "optim": {
+            # The student's clip is below its gradient norm, so clipping is exercised.
+            "student": {"lr": 1e-3, "grad_clip": 0.01},
+            "fake_score": {"lr": 2e-3, "weight_decay": 0.0},
+        },
+        "batch": {
+            role: {"micro_batch_size": MICRO_BATCH, "accumulation_steps": ACCUMULATION}
+            for role in ("student", "fake_score")
+        },
+        "ema": {"decay": 0.9},
+        "trainer": {"seed": 7},
+    }
+    for dotted, value in overrides.items():
+        node = config
+        *parents, leaf = dotted.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return DistillationPlan.from_config(config)
+
+
+def request_for(controller: DistillationController) -> PhaseRequest:
+    role = controller.next_phase()
+    role_step = controller.student_steps if role is Role.STUDENT else controller.fake_steps
+    return PhaseRequest(
+        role=role, global_step=controller.global_step, role_step=role_step, phase_index=controller.phase_index
+    )
+
+
+def global_batch(adapter, model, world_size: int, phase: int) -> dict[str, torch.Tensor]:
+    return regression_batch(adapter, model, MICRO_BATCH * ACCUMULATION * world_size, seed=1000 + phase)
+
+
+def local_part(batch: dict[str, torch.Tensor], rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    return {k: v.chunk(world_size)[rank] for k, v in batch.items()}
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def strip_model_prefix(name: str) -> str:
+    return name.split(".", 1)[1]
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    """Build and run everything in `dtype` (float64 trajectories need no rounding slack)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def probe_batch(adapter, model, world_size: int) -> dict[str, torch.Tensor]:
+    return global_batch(adapter, model, world_size, 99)
+
+
+def train_and_probe(rank: int, world_size: int, family: str, layout: str) -> dict:
+    """PHASES phases on this rank's share of each global batch; then full weights, per-role
+    forwards, and the full gradients of one more student phase from the trained state."""
+    plan = make_plan(family, layout)
+    adapter = get_adapter(family)()
+    engine = RoleEngine(plan, adapter)
+    runtime = DistillationRoleRuntime(engine, ReferenceRegressionComputer(adapter))
+    controller = DistillationController(fake_update_ratio=FAKE_UPDATE_RATIO, fake_warmup_steps=WARMUP)
+    norms = []
+    for phase in range(PHASES):
+        request = request_for(controller)
+        batch = global_batch(adapter, engine.module_for(request.role), world_size, phase)
+        metrics = runtime.run_phase(request, local_part(batch, rank, world_size))
+        controller.record(request.role, stepped=metrics["stepped"])
+        norms.append((request.role.value, metrics[f"{request.role.value}/grad_norm"]))
+    weights = {}
+    for role in (Role.STUDENT, Role.FAKE_SCORE, Role.STUDENT_EMA):
+        if role is Role.STUDENT_EMA and layout == "independent":
+            continue
+        for p in engine.params[role]:
+            weights[f"{role.value}:{strip_model_prefix(engine.param_names[id(p)])}"] = (
+                full(p).detach().clone()
+            )
+    for p, ema in zip(engine.params[Role.STUDENT], engine.independent_ema, strict=False):  # empty when shared
+        weights[f"student_ema:{strip_model_prefix(engine.param_names[id(p)])}"] = full(ema).detach().clone()
+    probe = probe_batch(adapter, engine.module_for(Role.STUDENT), world_size)
+    cond = {k[5:]: v for k, v in probe.items() if k.startswith("cond.")}
+    forwards = {}
+    with torch.no_grad():
+        for role in Role:
+            with engine.use_role(role) as module:
+                forwards[role.value] = adapter.predict(module, probe["x_t"], probe["sigma"], cond).clone()
+    # One more student phase, stopped before the step, to read the reduced gradients.
+    request = PhaseRequest(role=Role.STUDENT, global_step=0, role_step=0, phase_index=0)
+    engine.zero_grad(Role.STUDENT)
+    with engine.trainable(Role.STUDENT), engine.use_role(Role.STUDENT):
+        output = runtime.computer.compute_phase(
+            request, local_part(probe, rank, world_size), runtime, micro_batch_index=0, num_micro_batches=1
+        )
+        output.loss.backward()
+    grads = {
+        f"student:{strip_model_prefix(engine.param_names[id(p)])}": full(p.grad).clone()
+        for p in engine.params[Role.STUDENT]
+    }
+    engine.zero_grad(Role.STUDENT)
+    dist.barrier()
+    return {"weights": weights, "forwards": forwards, "norms": norms, "grads": grads}
+
+
+CASES = [
+    (family, layout)
+    for family in ("sd3", "flux", "wan")
+    for layout in ("shared_base_adapters", "independent")
+]
+
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+def all_cases(rank: int, world_size: int) -> dict:
+    """Every (family, layout, dtype) case in one spawn: imports dominate a rank process's cost."""
+    results = {}
+    for family, layout in CASES:
+        for dtype_name, dtype in DTYPES.items():
+            with default_dtype(dtype):
+                results[f"{family}/{layout}/{dtype_name}"] = train_and_probe(rank, world_size, family, layout)
+    return results
