@@ -46,15 +46,19 @@ class ReferenceRegressionComputer:
         *,
         frozen_mix: float = 0.1,
         normalizer: str = "mean",
-        leak_role: Role | None = None,
+        leak_frozen: bool = False,
+        nan_on_rank: int | None = None,
     ) -> None:
-        if normalizer not in ("mean", "count"):
-            raise ValueError(f"normalizer = {normalizer!r}: allowed: mean, count")
+        if normalizer not in ("mean", "count", "mixed"):
+            raise ValueError(f"normalizer = {normalizer!r}: allowed: mean, count, mixed")
         self.adapter = adapter
         self.frozen_mix = frozen_mix
+        # Test hooks, each a deliberate contract violation the runtime must catch:
+        # "mixed" alternates normalizer modes within a phase; leak_frozen unfreezes the
+        # frozen base weights before the forward; nan_on_rank poisons one rank's loss.
         self.normalizer = normalizer
-        # Test hook: run `leak_role` with grad enabled, which the runtime must reject.
-        self.leak_role = leak_role
+        self.leak_frozen = leak_frozen
+        self.nan_on_rank = nan_on_rank
         self.calls = 0
 
     def _predict(self, module, batch: Mapping[str, Any]) -> torch.Tensor:
@@ -63,6 +67,9 @@ class ReferenceRegressionComputer:
 
     def compute_phase(self, request: PhaseRequest, batch, runtime, *, micro_batch_index, num_micro_batches):
         self.calls += 1
+        if self.leak_frozen:
+            for p in runtime.engine.frozen_params:
+                p.requires_grad_(True)
         prediction = self._predict(runtime.engine.module_for(request.role), batch)
         target = batch["target"]
         if request.role is Role.STUDENT and self.frozen_mix:
@@ -74,10 +81,11 @@ class ReferenceRegressionComputer:
             target = target + self.frozen_mix * (teacher_prediction - fake_prediction)
         dtype = torch.promote_types(prediction.dtype, torch.float32)  # float64 runs stay float64
         loss = (prediction.to(dtype) - target.to(dtype)).square().mean()
-        if self.leak_role is not None:
-            with runtime.use_role(self.leak_role) as leaking:
-                loss = loss + 0.0 * self._predict(leaking, batch).float().mean()
-        count = float(target.numel()) if self.normalizer == "count" else None
+        if self.nan_on_rank is not None and runtime.rank == self.nan_on_rank:
+            loss = loss * float("nan")
+        count = float(target.numel())
+        if self.normalizer == "mean" or (self.normalizer == "mixed" and micro_batch_index % 2):
+            count = None
         return PhaseOutput(loss=loss, metrics={"mse": loss.detach()}, loss_normalizer=count)
 
     def state_dict(self) -> dict[str, Any]:

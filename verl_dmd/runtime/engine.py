@@ -282,6 +282,26 @@ class RoleEngine:
             for p in self.params[role]:
                 p.requires_grad_(False)
 
+    def verify_layout(self) -> None:
+        """Fail closed if the models gained parameters after sharding or lost their sharding.
+
+        An adapter added after `fully_shard` is a plain replicated parameter whose
+        gradients are never synchronized: ranks silently diverge (TRAPS).
+        """
+        sharded = dist.is_initialized()
+        for model_name, model in self.models.items():
+            for name, param in model.named_parameters():
+                full = f"{model_name}.{name}"
+                if id(param) not in self.param_names:
+                    raise RuntimeError(
+                        f"parameter {full} appeared after the engine sharded the model; "
+                        "add every adapter before fully_shard (RoleEngine does this at construction)"
+                    )
+                if sharded and not isinstance(param, DTensor):
+                    raise RuntimeError(
+                        f"parameter {full} is not sharded (not a DTensor); it would never sync"
+                    )
+
     # ------------------------------------------------------------------ roles
 
     def fsdp_modules(self) -> list[FSDPModule]:

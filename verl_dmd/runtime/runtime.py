@@ -42,10 +42,13 @@ def split_batch(batch: Mapping[str, Any], parts: int) -> list[dict[str, Any]]:
     return chunks
 
 
-def _total_grad_norm(params: list[torch.nn.Parameter], group=None) -> torch.Tensor:
-    """The global L2 norm of the gradients of `params` (DTensor shards included), in float64."""
-    squares = torch.zeros((), dtype=torch.float64)
-    partial = torch.zeros((), dtype=torch.float64)
+def _total_grad_norm(params: list[torch.nn.Parameter], device: torch.device, group=None) -> torch.Tensor:
+    """The global L2 norm of the gradients of `params` (DTensor shards included), in float64.
+
+    Accumulated on `device`: NCCL reduces only device tensors.
+    """
+    squares = torch.zeros((), dtype=torch.float64, device=device)
+    partial = torch.zeros((), dtype=torch.float64, device=device)
     for p in params:
         if p.grad is None:
             continue
@@ -91,6 +94,10 @@ class DistillationRoleRuntime:
         role = request.role
         engine = self.engine
         batch_spec = getattr(self.plan.batch, role.value)
+        device = engine.device
+        batch = {
+            k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()
+        }
         micro_batches = split_batch(batch, batch_spec.accumulation_steps)
         tracker = LossNormalizerTracker(len(micro_batches))
         optim_spec = getattr(self.plan.optim, role.value)
@@ -98,6 +105,7 @@ class DistillationRoleRuntime:
         loss_sum = 0.0
         local_nonfinite = False
 
+        engine.verify_layout()
         engine.zero_grad(role)
         with engine.trainable(role), engine.use_role(role):
             for index, micro_batch in enumerate(micro_batches):
@@ -128,19 +136,20 @@ class DistillationRoleRuntime:
 
             divisor = 1.0
             if tracker.mode == "count":
-                count = self._all_reduce(torch.tensor([tracker.local_count], dtype=torch.float64))
+                count = self._all_reduce(
+                    torch.tensor([tracker.local_count], dtype=torch.float64, device=device)
+                )
                 divisor = tracker.gradient_divisor(count.item() / self.world_size)
                 with torch.no_grad():
                     for p in params:
                         if p.grad is not None:
                             p.grad.div_(divisor)
 
-            grad_norm = _total_grad_norm(params, self.group).item()
+            grad_norm = _total_grad_norm(params, device, self.group).item()
             # One collective tells every rank which ranks saw a non-finite loss; the norm is global already.
-            flags = torch.zeros(self.world_size, dtype=torch.float64)
+            flags = torch.zeros(self.world_size, dtype=torch.float64, device=device)
             flags[self.rank] = float(local_nonfinite)
-            self._all_reduce(flags)
-            bad_ranks = [r for r in range(self.world_size) if flags[r] > 0]
+            bad_ranks = [r for r, flag in enumerate(self._all_reduce(flags).tolist()) if flag > 0]
             skipped_reason = None
             if bad_ranks:
                 skipped_reason = f"non-finite loss on rank(s) {bad_ranks}"
@@ -160,12 +169,14 @@ class DistillationRoleRuntime:
         if skipped_reason is None and role is Role.STUDENT:
             engine.update_ema(request.global_step + 1)
 
-        mean = torch.tensor([loss_sum / len(micro_batches), *metric_sums.values()], dtype=torch.float64)
+        mean = torch.tensor(
+            [loss_sum / len(micro_batches), *metric_sums.values()], dtype=torch.float64, device=device
+        )
         self._all_reduce(mean)
         mean /= self.world_size
         metrics = {
             f"{role.value}/{k}": v / len(micro_batches)
-            for k, v in zip(metric_sums, mean[1:].tolist(), strict=True)
+            for k, v in zip(metric_sums, mean[1:].cpu().tolist(), strict=True)
         }
         metrics.update(
             {

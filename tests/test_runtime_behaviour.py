@@ -1,0 +1,193 @@
+"""Runtime behaviour on 2 gloo ranks, and one regression test per FSDP2/PEFT trap in ../shared/TRAPS.md.
+
+One spawn runs every scenario (tests/trap_scenarios.py). Each trap scenario runs
+with the engine's guard and again with that guard removed inside the rank
+process; the tests assert that the guarded run is right *and* that the
+unguarded run shows the silent failure, so each test is known to fail if its
+guard goes away.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import trap_scenarios
+from dist_harness import run_ranks
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("behaviour")
+    (workdir / "peft").mkdir()
+    return run_ranks(trap_scenarios.run_all, 2, workdir / "ranks", str(workdir / "peft"))
+
+
+def scenario(results, name, rank=0):
+    value = results[rank][name]
+    assert "crashed" not in value, value.get("crashed")
+    return value
+
+
+def relative_error(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300))
+
+
+# --------------------------------------------------------------------------- behaviours
+
+
+def test_gradient_isolation_names_role_and_parameter(results):
+    """A computer that unfreezes the base is rejected, naming the phase's role and a base parameter."""
+    for rank in (0, 1):
+        error = scenario(results, "gradient_isolation", rank)["error"]
+        assert error.startswith("GradientIsolationError: gradient isolation broken in a fake_score phase")
+        assert "parameter base." in error and "\n" not in error
+
+
+def test_nonfinite_on_one_rank_skips_on_every_rank(results):
+    """NaN on rank 1 only: both ranks skip, nothing advances, grads are cleared; the next phase steps."""
+    for rank in (0, 1):
+        got = scenario(results, "nonfinite_agreement", rank)
+        assert got["poisoned"] == {"stepped": False, "skipped_reason": "non-finite loss on rank(s) [1]"}
+        assert got["unchanged"] == {
+            "weights": True,
+            "exp_avg": True,
+            "step": True,
+            "lr_epoch": True,
+            "ema": True,
+        }
+        assert got["grads_cleared"]
+        assert got["healthy_stepped"] and got["moved_after"]
+
+
+def test_count_normalizer_is_invariant_to_splits_and_unequal_ranks(results):
+    """Count mode gives the same update for 1, 2, 4 micro-batches with 4 vs 8 samples per rank,
+    equal to plain sample-mean training on the same 12 samples split 6/6 (float64)."""
+    got = scenario(results, "normalizer_splits")
+    reference_weights, reference_norm = got["mean/equal"]
+    for accumulation in (1, 2, 4):
+        weights, norm = got[f"count/{accumulation}"]
+        assert abs(norm - reference_norm) / reference_norm < 1e-9
+        for w, ref in zip(weights, reference_weights, strict=True):
+            assert relative_error(w, ref) < 1e-9
+
+
+def test_mixed_normalizer_modes_fail_closed(results):
+    """A phase whose micro-batches mix None and counts raises a contract error."""
+    error = scenario(results, "normalizer_splits")["mixed_error"]
+    assert error.startswith("PhaseContractError:") and "one mode throughout" in error
+
+
+def test_shared_layout_holds_one_copy_of_base_weights(results):
+    """Per rank, frozen parameter bytes are one base copy in the shared layout and three when independent."""
+    got = scenario(results, "memory")
+    shared, independent = got["shared_base_adapters"], got["independent"]
+    assert independent["frozen"] == 3 * shared["frozen"]
+    assert shared["student"] == independent["student"] > 0
+    assert shared["student_ema"] == independent["ema_state"] == shared["student"]
+
+
+def test_parameters_are_partitioned_and_optimizers_disjoint(results):
+    """Every parameter sits in exactly one role or the frozen set; each optimizer holds exactly its role's."""
+    for layout, got in scenario(results, "partition").items():
+        assert got == {"disjoint": True, "complete": True, "optimizers_exact": True, "all_dtensor": True}, (
+            layout
+        )
+
+
+def test_activation_checkpointing_changes_no_number(results):
+    """Recomputing activations in backward gives the same trained weights (float64)."""
+    got = scenario(results, "activation_checkpointing")
+    for a, b in zip(got[False], got[True], strict=True):
+        assert relative_error(a, b) < 1e-12
+
+
+def test_lora_init_from_peft_directory(results):
+    """A saved PEFT adapter seeds the student exactly; wrong rank or a missing file is a one-line error."""
+    got = scenario(results, "init_from_peft_dir")
+    assert got["matches"]
+    assert "config key 'model.student.lora.init_path'" in got["mismatch"] and "rank 4" in got["mismatch"]
+    assert "adapter_config.json not found" in got["missing"]
+    assert "\n" not in got["mismatch"] + got["missing"]
+
+
+# --------------------------------------------------------------------------- traps
+
+
+def test_trap_lazy_init_fixes_gradient_dtypes(results):
+    """Guard: RoleEngine._finish_lazy_init (lazy init with both roles trainable). Without it a
+    frozen first forward leaves FSDP2 with no gradient dtypes, so low-precision gradients are
+    reduced in bf16/fp16 instead of float32, silently."""
+    got = scenario(results, "trap_lazy_init_dtype")
+    for dtype in ("bfloat16", "float16"):
+        assert got[f"guarded/{dtype}"] == {"error": None, "dtypes": ["torch.float32/torch.float32"]}
+        assert got[f"unguarded/{dtype}"]["dtypes"] == ["None/None"]
+
+
+def test_trap_frozen_forward_between_student_forward_and_backward(results):
+    """Guard: the trainable set is re-asserted after every role switch (RoleEngine._activate).
+    Without it the teacher/fake-score forwards inside a student phase freeze the student's
+    LoRA before backward: zero gradient, no update, and the phase still reports success."""
+    got = scenario(results, "trap_switch_between_forward_and_backward")
+    assert got["guarded"]["grad_norm"] > 0 and got["guarded"]["moved"]
+    assert got["unguarded"] == {"grad_norm": 0.0, "moved": False, "stepped": True}
+
+
+def test_trap_leaving_disabled_adapters_restores_trainable_set(results):
+    """Guard: same re-assertion. Leaving the teacher (adapters disabled) inside a fake-score phase
+    must leave exactly the fake score trainable; without the guard peft's switch leaves it frozen."""
+    got = scenario(results, "trap_flags_after_disable")
+    assert got["guarded"] == {"student": [False], "fake_score": [True], "student_ema": [False]}
+    assert got["unguarded"]["fake_score"] == [False]
+
+
+def test_trap_reshard_before_switching_adapters(results):
+    """Guard: RoleEngine.reshard before every switch. With LoRA on a root-unit module (proj_out),
+    flags flipped on gathered copies are lost at the next reshard: without the guard that
+    module's LoRA silently gets no gradient."""
+    got = scenario(results, "trap_reshard_before_switch")
+    assert got["guarded"]["root_lora_moved"] and got["guarded"]["block_lora_moved"]
+    assert not got["unguarded"]["root_lora_moved"] and got["unguarded"]["block_lora_moved"]
+    assert got["unguarded"]["grad_norm"] < got["guarded"]["grad_norm"]
+
+
+def test_trap_ema_swap_reshards_first(results):
+    """Guard: reshard before swapping EMA shards in (independent, full weights). Without it the
+    root unit's gathered student weights leak into the EMA forward."""
+    got = scenario(results, "trap_ema_swap_needs_reshard")
+    assert relative_error(got["guarded"], got["student"]) > 1e-4  # the EMA really differs
+    assert relative_error(got["unguarded"], got["guarded"]) > 1e-6  # stale values changed the output
+
+
+def test_trap_adapter_added_after_sharding(results):
+    """Guard: RoleEngine.verify_layout at every phase. An adapter added after fully_shard is a
+    plain replicated tensor whose gradients differ per rank and are never synchronized."""
+    refused = scenario(results, "trap_adapter_after_shard")
+    assert (
+        refused["refused"].startswith("RuntimeError: parameter base.")
+        and "after the engine sharded" in refused["refused"]
+    )
+    assert not refused["late_are_dtensors"]
+    per_rank = refused["grads_per_rank"]
+    assert per_rank[0] != per_rank[1]  # ranks would diverge
+
+
+def test_trap_cpu_offload_without_pinned_memory_on_cpu(results):
+    """Guard: CPUOffloadPolicy(pin_memory=False) unless on CUDA. With pinned memory the CPU-only
+    machine fails to build the offloaded model."""
+    got = scenario(results, "trap_cpu_offload_pin_memory")
+    assert got["guarded"] is True
+    assert got["unguarded"] is not None and "accelerator" in got["unguarded"]
+
+
+def test_count_mode_needs_no_gradient_divide_factor():
+    """TRAPS: set_gradient_divide_factor fails on gloo. The runtime never calls it: count-mode
+    division happens on the reduced gradients (pinned by the normalizer test above)."""
+    import inspect
+
+    from verl_dmd.runtime import engine, runtime
+
+    for module in (engine, runtime):
+        assert "set_gradient_divide_factor" not in inspect.getsource(module)
+    assert torch.distributed.is_available()

@@ -1,0 +1,432 @@
+"""Rank-side scenarios for the runtime behaviour and trap tests (one spawn runs them all).
+
+Each trap scenario runs twice: with the engine's guard, and with the guard
+removed (monkeypatched inside this rank process), recording what happens. The
+tests then assert that the guarded run is right and that the unguarded run shows
+the silent failure the guard exists for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import traceback
+
+import torch
+import torch.distributed as dist
+from peft import LoraConfig
+from runtime_scenarios import default_dtype, full, local_part, make_plan
+from torch.distributed.fsdp import CPUOffloadPolicy
+from torch.distributed.tensor import DTensor
+
+from verl_dmd.adapters import get_adapter
+from verl_dmd.algorithms.reference import ReferenceRegressionComputer, regression_batch
+from verl_dmd.phases import PhaseRequest, Role
+from verl_dmd.runtime import engine as engine_module
+from verl_dmd.runtime.engine import RoleEngine
+from verl_dmd.runtime.runtime import DistillationRoleRuntime
+
+FAMILY = "sd3"
+SHARED = "shared_base_adapters"
+
+
+def _request(role: Role, step: int = 0) -> PhaseRequest:
+    return PhaseRequest(role=role, global_step=0, role_step=step, phase_index=step)
+
+
+def _setup(layout: str = SHARED, computer_kwargs=None, **overrides):
+    plan = make_plan(FAMILY, layout, **overrides)
+    adapter = get_adapter(FAMILY)()
+    engine = RoleEngine(plan, adapter)
+    runtime = DistillationRoleRuntime(engine, ReferenceRegressionComputer(adapter, **(computer_kwargs or {})))
+    return plan, adapter, engine, runtime
+
+
+def _batch(adapter, engine, rank, world, size=8, seed=0):
+    return local_part(regression_batch(adapter, engine.module_for(Role.STUDENT), size, seed), rank, world)
+
+
+def _weights(engine, role: Role) -> list[torch.Tensor]:
+    return [full(p).detach().clone() for p in engine.params[role]]
+
+
+def _error(fn) -> str | None:
+    try:
+        fn()
+    except Exception as err:  # recorded, asserted in the test process
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+@contextlib.contextmanager
+def patched(obj, name, value):
+    original = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, original)
+
+
+# --------------------------------------------------------------------------- behaviours
+
+
+def gradient_isolation(rank, world):
+    _, adapter, engine, runtime = _setup(computer_kwargs={"leak_frozen": True})
+    message = _error(
+        lambda: runtime.run_phase(_request(Role.FAKE_SCORE), _batch(adapter, engine, rank, world))
+    )
+    return {"error": message}
+
+
+def nonfinite_agreement(rank, world):
+    _, adapter, engine, runtime = _setup()
+    runtime.run_phase(_request(Role.FAKE_SCORE), _batch(adapter, engine, rank, world, seed=1))
+    optimizer = engine.optimizers[Role.FAKE_SCORE]
+
+    def snapshot():
+        first = engine.params[Role.FAKE_SCORE][0]
+        state = optimizer.state[first]
+        return {
+            "weights": _weights(engine, Role.FAKE_SCORE),
+            "exp_avg": full(state["exp_avg"]).clone(),
+            "step": float(state["step"]),
+            "lr_epoch": engine.schedulers[Role.FAKE_SCORE].last_epoch,
+            "ema": _weights(engine, Role.STUDENT_EMA),
+        }
+
+    before = snapshot()
+    runtime.computer.nan_on_rank = 1
+    poisoned = runtime.run_phase(_request(Role.FAKE_SCORE, 1), _batch(adapter, engine, rank, world, seed=2))
+    after = snapshot()
+    grads_cleared = all(p.grad is None for p in engine.params[Role.FAKE_SCORE])
+    runtime.computer.nan_on_rank = None
+    healthy = runtime.run_phase(_request(Role.FAKE_SCORE, 1), _batch(adapter, engine, rank, world, seed=2))
+    return {
+        "poisoned": {k: poisoned[k] for k in ("stepped", "skipped_reason")},
+        "unchanged": {
+            "weights": all(
+                torch.equal(a, b) for a, b in zip(before["weights"], after["weights"], strict=True)
+            ),
+            "exp_avg": torch.equal(before["exp_avg"], after["exp_avg"]),
+            "step": before["step"] == after["step"],
+            "lr_epoch": before["lr_epoch"] == after["lr_epoch"],
+            "ema": all(torch.equal(a, b) for a, b in zip(before["ema"], after["ema"], strict=True)),
+        },
+        "grads_cleared": grads_cleared,
+        "healthy_stepped": healthy["stepped"],
+        "moved_after": not all(
+            torch.equal(a, b)
+            for a, b in zip(after["weights"], _weights(engine, Role.FAKE_SCORE), strict=True)
+        ),
+    }
+
+
+def normalizer_splits(rank, world):
+    """Count mode: identical updates for 1, 2, 4 micro-batches and unequal rank shares."""
+    out = {}
+    with default_dtype(torch.float64):
+        for accumulation in (1, 2, 4):
+            _, adapter, engine, runtime = _setup(
+                computer_kwargs={"normalizer": "count"},
+                **{"batch.fake_score.accumulation_steps": accumulation},
+            )
+            batch = regression_batch(adapter, engine.module_for(Role.STUDENT), 12, seed=5)
+            # rank 0 holds 4 samples, rank 1 holds 8: unequal counts
+            share = {k: (v[:4] if rank == 0 else v[4:]) for k, v in batch.items()}
+            metrics = runtime.run_phase(_request(Role.FAKE_SCORE), share)
+            out[f"count/{accumulation}"] = (
+                _weights(engine, Role.FAKE_SCORE),
+                metrics["fake_score/grad_norm"],
+            )
+        _, adapter, engine, runtime = _setup()
+        batch = regression_batch(adapter, engine.module_for(Role.STUDENT), 12, seed=5)
+        metrics = runtime.run_phase(_request(Role.FAKE_SCORE), local_part(batch, rank, world))
+        out["mean/equal"] = (_weights(engine, Role.FAKE_SCORE), metrics["fake_score/grad_norm"])
+    _, adapter, engine, runtime = _setup(computer_kwargs={"normalizer": "mixed"})
+    out["mixed_error"] = _error(
+        lambda: runtime.run_phase(_request(Role.FAKE_SCORE), _batch(adapter, engine, rank, world))
+    )
+    return out
+
+
+def memory(rank, world):
+    return {layout: _setup(layout)[2].parameter_bytes() for layout in (SHARED, "independent")}
+
+
+def partition(rank, world):
+    """Every parameter in exactly one place; each optimizer holds exactly its role's parameters."""
+    out = {}
+    for layout in (SHARED, "independent"):
+        engine = _setup(layout)[2]
+        groups = [*(engine.params[r] for r in engine.params), engine.frozen_params]
+        ids = [id(p) for group in groups for p in group]
+        every = [id(p) for model in engine.models.values() for p in model.parameters()]
+        optimizer_ids = {
+            role.value: sorted(id(p) for g in engine.optimizers[role].param_groups for p in g["params"])
+            for role in engine.optimizers
+        }
+        out[layout] = {
+            "disjoint": len(ids) == len(set(ids)),
+            "complete": sorted(ids) == sorted(every),
+            "optimizers_exact": all(
+                optimizer_ids[role.value] == sorted(map(id, engine.params[role]))
+                for role in engine.optimizers
+            ),
+            "all_dtensor": all(
+                isinstance(p, DTensor) for model in engine.models.values() for p in model.parameters()
+            ),
+        }
+    return out
+
+
+def activation_checkpointing(rank, world):
+    out = {}
+    with default_dtype(torch.float64):
+        for flag in (False, True):
+            _, adapter, engine, runtime = _setup(**{"model.activation_checkpointing": flag})
+            for step, role in enumerate((Role.FAKE_SCORE, Role.STUDENT)):
+                runtime.run_phase(_request(role, step), _batch(adapter, engine, rank, world, seed=10 + step))
+            out[flag] = _weights(engine, Role.STUDENT) + _weights(engine, Role.FAKE_SCORE)
+    return out
+
+
+def init_from_peft_dir(rank, world, directory):
+    """A saved PEFT adapter seeds the student; a rank mismatch is a one-line error."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    adapter = get_adapter(FAMILY)()
+    plan = make_plan(FAMILY, SHARED)
+    if rank == 0:
+        torch.manual_seed(123)
+        model = adapter.build_model(engine_module.ModelSource.of(plan.model.teacher))
+        config = LoraConfig(r=4, lora_alpha=4, target_modules=list(adapter.default_lora_targets))
+        model.add_adapter(config, adapter_name="saved")
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.05)
+        state = get_peft_model_state_dict(model, adapter_name="saved")
+        save_file({k: v.contiguous() for k, v in state.items()}, f"{directory}/adapter_model.safetensors")
+        config.save_pretrained(directory)
+        torch.save({k: v for k, v in state.items()}, f"{directory}/expected.pt")
+    dist.barrier()
+    _, adapter, engine, _ = _setup(**{"model.student.lora.init_path": directory})
+    expected = torch.load(f"{directory}/expected.pt", weights_only=True)
+    loaded = {}
+    for p in engine.params[Role.STUDENT]:
+        name = engine.param_names[id(p)].split(".", 1)[1].replace(".student.", ".")
+        loaded[name] = full(p)
+    matches = sorted(loaded) == sorted(expected) and all(
+        torch.equal(loaded[k], expected[k]) for k in expected
+    )
+    mismatch = _error(
+        lambda: _setup(**{"model.student.lora.init_path": directory, "model.student.lora.rank": 8})
+    )
+    missing = _error(lambda: _setup(**{"model.student.lora.init_path": f"{directory}/nope"}))
+    return {"matches": matches, "mismatch": mismatch, "missing": missing}
+
+
+# --------------------------------------------------------------------------- traps
+
+
+def _group_dtypes(engine) -> list[str]:
+    """FSDP2's per-group (original, reduce) gradient dtypes of the groups holding trainable LoRA."""
+    out = []
+    for module in engine.fsdp_modules():
+        for group in module._get_fsdp_state()._fsdp_param_groups:
+            if any(".lora_" in fqn for fqn in (p._param_fqn or "" for p in group.fsdp_params)):
+                out.append(f"{group._orig_dtype}/{group._reduce_dtype}")
+    return sorted(set(out))
+
+
+def trap_lazy_init_dtype(rank, world):
+    """FSDP2 fixes gradient dtypes at lazy init; a frozen first forward must not decide them."""
+
+    def attempt(param_dtype):
+        _, adapter, engine, runtime = _setup(**{"model.param_dtype": param_dtype})
+        batch = _batch(adapter, engine, rank, world)
+        with torch.no_grad(), engine.use_role(Role.TEACHER) as teacher:  # a frozen role runs first
+            cond = {k[5:]: v for k, v in batch.items() if k.startswith("cond.")}
+            adapter.predict(teacher, batch["x_t"], batch["sigma"], cond)
+        error = _error(lambda: runtime.run_phase(_request(Role.STUDENT), batch))
+        return {"error": error, "dtypes": _group_dtypes(engine)}
+
+    out = {}
+    for param_dtype in ("bfloat16", "float16"):
+        out[f"guarded/{param_dtype}"] = attempt(param_dtype)
+        with patched(RoleEngine, "_finish_lazy_init", lambda self: None):
+            out[f"unguarded/{param_dtype}"] = attempt(param_dtype)
+    return out
+
+
+def _activate_without_reassert(self, role):
+    """RoleEngine._activate minus its final re-assertion of the trainable set."""
+    self.reshard()
+    if self.layout == SHARED:
+        self._switch_adapter(role)
+    self._active = role
+
+
+def trap_switch_between_forward_and_backward(rank, world):
+    """A frozen forward between the student's forward and backward must not drop its gradients."""
+
+    def attempt():
+        _, adapter, engine, runtime = _setup()
+        before = _weights(engine, Role.STUDENT)
+        metrics = runtime.run_phase(_request(Role.STUDENT), _batch(adapter, engine, rank, world))
+        after = _weights(engine, Role.STUDENT)
+        moved = not all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+        return {"grad_norm": metrics["student/grad_norm"], "moved": moved, "stepped": metrics["stepped"]}
+
+    guarded = attempt()
+    with patched(RoleEngine, "_activate", _activate_without_reassert):
+        unguarded = attempt()
+    return {"guarded": guarded, "unguarded": unguarded}
+
+
+def trap_flags_after_disable(rank, world):
+    """Leaving the teacher (adapters disabled) must restore exactly the phase's trainable set."""
+
+    def flags_after_teacher():
+        _, _, engine, _ = _setup()
+        with engine.trainable(Role.FAKE_SCORE), engine.use_role(Role.FAKE_SCORE):
+            with engine.use_role(Role.TEACHER):
+                pass
+            return {
+                role.value: sorted({p.requires_grad for p in params})
+                for role, params in engine.params.items()
+            }
+
+    guarded = flags_after_teacher()
+    with patched(RoleEngine, "_activate", _activate_without_reassert):
+        unguarded = flags_after_teacher()
+    return {"guarded": guarded, "unguarded": unguarded}
+
+
+def trap_reshard_before_switch(rank, world):
+    """Flags flipped while parameters are gathered come back stale at the next reshard."""
+
+    def attempt():
+        # proj_out lives in the root unit, which keeps its gathered parameters after forward.
+        targets = ["to_q", "to_k", "to_v", "to_out.0", "proj_out"]
+        _, adapter, engine, runtime = _setup(
+            **{"model.student.lora.target_modules": targets, "model.fake_score.lora.target_modules": targets}
+        )
+        names = [engine.param_names[id(p)] for p in engine.params[Role.STUDENT]]
+        before = _weights(engine, Role.STUDENT)
+        metrics = runtime.run_phase(_request(Role.STUDENT), _batch(adapter, engine, rank, world))
+        after = _weights(engine, Role.STUDENT)
+        changed = {n: not torch.equal(a, b) for n, a, b in zip(names, before, after, strict=True)}
+        return {
+            "grad_norm": metrics["student/grad_norm"],
+            "root_lora_moved": any(v for n, v in changed.items() if "proj_out.lora_B" in n),
+            "block_lora_moved": any(v for n, v in changed.items() if "transformer_blocks" in n),
+        }
+
+    guarded = _error(attempt) or attempt()
+    with patched(RoleEngine, "reshard", lambda self: None):
+        unguarded = _error(attempt) or attempt()
+    return {"guarded": guarded, "unguarded": unguarded}
+
+
+def trap_ema_swap_needs_reshard(rank, world):
+    """Independent full-weight EMA: swapping shards while the root holds gathered copies leaks stale values."""
+    overrides = {
+        "model.student.lora.rank": 0,
+        "model.fake_score.lora.rank": 0,
+        "export.formats": ["diffusers"],
+        "ema.decay": 0.5,
+    }
+
+    def ema_forward(unguarded: bool):
+        _, adapter, engine, runtime = _setup("independent", **overrides)
+        runtime.run_phase(_request(Role.STUDENT), _batch(adapter, engine, rank, world, seed=3))
+        runtime.run_phase(_request(Role.STUDENT, 1), _batch(adapter, engine, rank, world, seed=4))
+        probe = _batch(adapter, engine, rank, world, seed=9)
+        cond = {k[5:]: v for k, v in probe.items() if k.startswith("cond.")}
+        context = patched(RoleEngine, "reshard", lambda self: None) if unguarded else contextlib.nullcontext()
+        with context:
+            # A grad-enabled forward (as in training): the root unit keeps its gathered weights.
+            with engine.trainable(Role.STUDENT), engine.use_role(Role.STUDENT) as model:
+                student = adapter.predict(model, probe["x_t"], probe["sigma"], cond).detach()
+            with torch.no_grad(), engine.use_role(Role.STUDENT_EMA) as model:
+                ema = adapter.predict(model, probe["x_t"], probe["sigma"], cond)
+        return student, ema
+
+    student, guarded = ema_forward(False)
+    _, unguarded = ema_forward(True)
+    return {"student": student, "guarded": guarded, "unguarded": unguarded}
+
+
+def trap_adapter_after_shard(rank, world):
+    """An adapter added after fully_shard is replicated and never synchronized."""
+    _, adapter, engine, runtime = _setup()
+    base = engine.models["base"]
+    torch.manual_seed(0)
+    base.add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=["to_q"]), adapter_name="late")
+    late = [p for n, p in base.named_parameters() if ".late." in n]
+    refused = _error(
+        lambda: runtime.run_phase(_request(Role.FAKE_SCORE), _batch(adapter, engine, rank, world))
+    )
+    # What would happen without the check: train the late adapter on each rank's own data.
+    base.set_adapter("late")
+    for p in late:
+        p.requires_grad_(True)
+    batch = _batch(adapter, engine, rank, world, seed=6)
+    cond = {k[5:]: v for k, v in batch.items() if k.startswith("cond.")}
+    adapter.predict(base, batch["x_t"], batch["sigma"], cond).square().mean().backward()
+    grads = [p.grad.detach().clone() for p in late if p.grad is not None]
+    gathered = [None] * world
+    dist.all_gather_object(gathered, [g.sum().item() for g in grads])
+    return {
+        "refused": refused,
+        "late_are_dtensors": any(isinstance(p, DTensor) for p in late),
+        "grads_per_rank": gathered,
+    }
+
+
+def trap_cpu_offload_pin_memory(rank, world):
+    """CPU offload with pinned memory needs an accelerator: the engine pins only on CUDA."""
+
+    def attempt():
+        _, adapter, engine, runtime = _setup(**{"model.teacher.cpu_offload": True})
+        return runtime.run_phase(_request(Role.FAKE_SCORE), _batch(adapter, engine, rank, world))["stepped"]
+
+    guarded = _error(attempt) or attempt()
+    with patched(engine_module, "CPUOffloadPolicy", lambda pin_memory: CPUOffloadPolicy(pin_memory=True)):
+        unguarded = _error(attempt)
+    return {"guarded": guarded, "unguarded": unguarded}
+
+
+SCENARIOS = {
+    "gradient_isolation": gradient_isolation,
+    "nonfinite_agreement": nonfinite_agreement,
+    "normalizer_splits": normalizer_splits,
+    "memory": memory,
+    "partition": partition,
+    "activation_checkpointing": activation_checkpointing,
+    "trap_lazy_init_dtype": trap_lazy_init_dtype,
+    "trap_switch_between_forward_and_backward": trap_switch_between_forward_and_backward,
+    "trap_flags_after_disable": trap_flags_after_disable,
+    "trap_reshard_before_switch": trap_reshard_before_switch,
+    "trap_ema_swap_needs_reshard": trap_ema_swap_needs_reshard,
+    "trap_adapter_after_shard": trap_adapter_after_shard,
+    "trap_cpu_offload_pin_memory": trap_cpu_offload_pin_memory,
+}
+
+
+def run_all(rank, world, directory):
+    """Every scenario; a scenario that crashes is recorded, not fatal, so the others still report."""
+    results = {}
+    for name, fn in SCENARIOS.items():
+        try:
+            results[name] = fn(rank, world)
+        except Exception:
+            results[name] = {"crashed": traceback.format_exc()}
+        dist.barrier()
+    try:
+        results["init_from_peft_dir"] = init_from_peft_dir(rank, world, directory)
+    except Exception:
+        results["init_from_peft_dir"] = {"crashed": traceback.format_exc()}
+    return results
