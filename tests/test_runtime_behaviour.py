@@ -181,9 +181,8 @@ def test_trap_cpu_offload_without_pinned_memory_on_cpu(results):
     assert got["unguarded"] is not None and "accelerator" in got["unguarded"]
 
 
-def test_count_mode_needs_no_gradient_divide_factor():
-    """TRAPS: set_gradient_divide_factor fails on gloo. The runtime never calls it: count-mode
-    division happens on the reduced gradients (pinned by the normalizer test above)."""
+def test_runtime_never_sets_a_gradient_divide_factor():
+    """The guard of the trap above, stated directly: no runtime module calls set_gradient_divide_factor."""
     import inspect
 
     from verl_dmd.runtime import engine, runtime
@@ -191,3 +190,29 @@ def test_count_mode_needs_no_gradient_divide_factor():
     for module in (engine, runtime):
         assert "set_gradient_divide_factor" not in inspect.getsource(module)
     assert torch.distributed.is_available()
+
+
+def test_trap_gradient_divide_factor_fails_on_gloo(results):
+    """Guard: count-mode division on the reduced gradients, never set_gradient_divide_factor.
+    A count-mode divisor (not the world size) through FSDP2 needs PREMUL_SUM, which gloo lacks.
+    (With factor = world size torch 2.13 takes another path and runs.)"""
+    got = scenario(results, "trap_gradient_divide_factor_on_gloo")
+    assert got["guarded"]["norm"] > 0
+    assert "PREMUL_SUM" in got["unguarded"]
+
+
+def test_trap_peft_loader_fails_on_sharded_model(results):
+    """Guard: LoRA init from a PEFT directory happens before sharding (see the init test);
+    peft's loader on the sharded model fails."""
+    assert scenario(results, "trap_peft_state_dict_on_sharded_model")["unguarded"] is not None
+
+
+def test_ema_copies_student_before_start_step(results):
+    """ema.start_step=2: global step 1 copies the student into the EMA; from step 2 the EMA lags."""
+    assert scenario(results, "ema_start_step") == {"equal_after_1": True, "equal_after_2": False}
+
+
+def test_independent_student_can_differ_from_teacher(results):
+    """Independent layout: a student built from its own config trains beside a different teacher."""
+    got = scenario(results, "independent_student_from_other_config")
+    assert got == {"student_blocks": 1, "teacher_blocks": 2, "stepped": True}

@@ -399,7 +399,67 @@ def trap_cpu_offload_pin_memory(rank, world):
     return {"guarded": guarded, "unguarded": unguarded}
 
 
+def trap_gradient_divide_factor_on_gloo(rank, world):
+    """FSDP2's divide factor needs PREMUL_SUM, which gloo lacks; the runtime divides reduced grads itself."""
+
+    def attempt(use_divide_factor: bool):
+        _, adapter, engine, runtime = _setup(computer_kwargs={"normalizer": "count"})
+        if use_divide_factor:
+            for module in engine.fsdp_modules():
+                module.set_gradient_divide_factor(3.0)  # a count-mode divisor, not the world size
+        metrics = runtime.run_phase(_request(Role.FAKE_SCORE), _batch(adapter, engine, rank, world))
+        return {"norm": metrics["fake_score/grad_norm"], "weights": _weights(engine, Role.FAKE_SCORE)}
+
+    return {
+        "guarded": _error(lambda: attempt(False)) or attempt(False),
+        "unguarded": _error(lambda: attempt(True)) or attempt(True),
+    }
+
+
+def trap_peft_state_dict_on_sharded_model(rank, world):
+    """Adapter weights load before sharding; peft's loader on the sharded model fails."""
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+
+    _, _, engine, _ = _setup()
+    base = engine.models["base"]
+    state = {k: full(v).clone() for k, v in get_peft_model_state_dict(base, adapter_name="student").items()}
+    return {"unguarded": _error(lambda: set_peft_model_state_dict(base, state, adapter_name="student"))}
+
+
+def ema_start_step(rank, world):
+    """Before ema.start_step the EMA copies the student; from it on it lags behind."""
+    _, adapter, engine, runtime = _setup(**{"ema.start_step": 2, "ema.decay": 0.5})
+    out = {}
+    for step in range(2):
+        request = PhaseRequest(role=Role.STUDENT, global_step=step, role_step=step, phase_index=step)
+        runtime.run_phase(request, _batch(adapter, engine, rank, world, seed=20 + step))
+        student, ema = _weights(engine, Role.STUDENT), _weights(engine, Role.STUDENT_EMA)
+        out[f"equal_after_{step + 1}"] = all(torch.equal(a, b) for a, b in zip(student, ema, strict=True))
+    return out
+
+
+def independent_student_from_other_config(rank, world):
+    """Independent layout: the student may come from a different checkpoint/config than the teacher."""
+    from runtime_scenarios import TINY_CONFIGS
+
+    other = dict(TINY_CONFIGS[FAMILY], num_layers=1)
+    _, adapter, engine, runtime = _setup(
+        "independent",
+        **{"model.student.config": other, "model.student.lora.rank": 0, "export.formats": ["diffusers"]},
+    )
+    metrics = runtime.run_phase(_request(Role.STUDENT), _batch(adapter, engine, rank, world))
+    return {
+        "student_blocks": len(engine.models["student"].transformer_blocks),
+        "teacher_blocks": len(engine.models["teacher"].transformer_blocks),
+        "stepped": metrics["stepped"],
+    }
+
+
 SCENARIOS = {
+    "trap_gradient_divide_factor_on_gloo": trap_gradient_divide_factor_on_gloo,
+    "trap_peft_state_dict_on_sharded_model": trap_peft_state_dict_on_sharded_model,
+    "ema_start_step": ema_start_step,
+    "independent_student_from_other_config": independent_student_from_other_config,
     "gradient_isolation": gradient_isolation,
     "nonfinite_agreement": nonfinite_agreement,
     "normalizer_splits": normalizer_splits,
