@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from verl_dmd.adapters import get_adapter
+from verl_dmd.adapters import available_adapters, get_adapter
 from verl_dmd.algorithms.reference import ReferenceRegressionComputer, regression_batch
 from verl_dmd.controller import DistillationController
 from verl_dmd.phases import PhaseRequest, Role
@@ -30,35 +30,17 @@ from verl_dmd.plan import DistillationPlan, PlanError
 from verl_dmd.runtime.engine import RoleEngine
 from verl_dmd.runtime.runtime import DistillationRoleRuntime
 
-# Small configs that build in a second on a CPU; pass --config for real sizes.
-TINY = {
-    "sd3": {
-        "sample_size": 8, "patch_size": 2, "in_channels": 4, "num_layers": 2, "attention_head_dim": 8,
-        "num_attention_heads": 2, "joint_attention_dim": 16, "caption_projection_dim": 16,
-        "pooled_projection_dim": 8, "out_channels": 4, "pos_embed_max_size": 16,
-    },
-    "flux": {
-        "patch_size": 1, "in_channels": 8, "num_layers": 1, "num_single_layers": 1, "attention_head_dim": 8,
-        "num_attention_heads": 2, "joint_attention_dim": 16, "pooled_projection_dim": 8,
-        "axes_dims_rope": [2, 2, 4],
-    },
-    "wan": {
-        "patch_size": [1, 2, 2], "num_attention_heads": 2, "attention_head_dim": 8, "in_channels": 4,
-        "out_channels": 4, "text_dim": 16, "freq_dim": 16, "ffn_dim": 16, "num_layers": 2, "rope_max_seq_len": 32,
-    },
-}  # fmt: skip
-
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--family", choices=sorted(TINY), default="sd3")
+    parser.add_argument("--family", choices=available_adapters(), default="sd3")
     parser.add_argument(
         "--layout", choices=["shared_base_adapters", "independent"], default="shared_base_adapters"
     )
     parser.add_argument("--phases", type=int, default=12)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--param-dtype", choices=["float32", "bfloat16"], default="float32")
-    parser.add_argument("--config", type=Path, help="JSON model config (default: a tiny one for --family)")
+    parser.add_argument("--config", type=Path, help="JSON model config (default: the adapter's tiny_config)")
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--accumulation", type=int, default=2)
     parser.add_argument("--lora-rank", type=int, default=8)
@@ -82,7 +64,9 @@ def main(argv=None) -> int:
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29512")
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    model_config = json.loads(args.config.read_text()) if args.config else TINY[args.family]
+    model_config = (
+        json.loads(args.config.read_text()) if args.config else get_adapter(args.family).tiny_config
+    )
     try:
         plan = DistillationPlan.from_config(
             {

@@ -16,44 +16,8 @@ from verl_dmd.plan import DistillationPlan
 from verl_dmd.runtime.engine import RoleEngine
 from verl_dmd.runtime.runtime import DistillationRoleRuntime
 
-TINY_CONFIGS = {
-    "sd3": dict(
-        sample_size=8,
-        patch_size=2,
-        in_channels=4,
-        num_layers=2,
-        attention_head_dim=8,
-        num_attention_heads=2,
-        joint_attention_dim=16,
-        caption_projection_dim=16,
-        pooled_projection_dim=8,
-        out_channels=4,
-        pos_embed_max_size=16,
-    ),
-    "flux": dict(
-        patch_size=1,
-        in_channels=8,
-        num_layers=1,
-        num_single_layers=1,
-        attention_head_dim=8,
-        num_attention_heads=2,
-        joint_attention_dim=16,
-        pooled_projection_dim=8,
-        axes_dims_rope=(2, 2, 4),
-    ),
-    "wan": dict(
-        patch_size=(1, 2, 2),
-        num_attention_heads=2,
-        attention_head_dim=8,
-        in_channels=4,
-        out_channels=4,
-        text_dim=16,
-        freq_dim=16,
-        ffn_dim=16,
-        num_layers=2,
-        rope_max_seq_len=32,
-    ),
-}
+TINY_CONFIGS = {family: get_adapter(family).tiny_config for family in ("sd3", "flux", "wan")}
+
 
 FAKE_UPDATE_RATIO = 2
 WARMUP = 1

@@ -216,3 +216,10 @@ def test_independent_student_can_differ_from_teacher(results):
     """Independent layout: a student built from its own config trains beside a different teacher."""
     got = scenario(results, "independent_student_from_other_config")
     assert got == {"student_blocks": 1, "teacher_blocks": 2, "stepped": True}
+
+
+def test_ranks_with_different_metric_keys_fail_loudly(results):
+    """Position-wise averaging of metrics is guarded: differing keys raise on every rank."""
+    for rank in (0, 1):
+        error = scenario(results, "metric_keys_must_agree", rank)["error"]
+        assert error is not None and "different metric keys" in error

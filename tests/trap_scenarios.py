@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from verl_dmd.adapters import get_adapter
 from verl_dmd.algorithms.reference import ReferenceRegressionComputer, regression_batch
-from verl_dmd.phases import PhaseRequest, Role
+from verl_dmd.phases import PhaseOutput, PhaseRequest, Role
 from verl_dmd.runtime import engine as engine_module
 from verl_dmd.runtime.engine import RoleEngine
 from verl_dmd.runtime.runtime import DistillationRoleRuntime
@@ -455,7 +455,27 @@ def independent_student_from_other_config(rank, world):
     }
 
 
+class _ExtraMetricOnRank1(ReferenceRegressionComputer):
+    def compute_phase(self, request, batch, runtime, **loop):
+        output = super().compute_phase(request, batch, runtime, **loop)
+        if runtime.rank == 1:
+            output = PhaseOutput(loss=output.loss, metrics={**output.metrics, "extra": 1.0})
+        return output
+
+
+def metric_keys_must_agree(rank, world):
+    """Metrics are averaged by position: a rank with different keys fails the phase on every rank."""
+    _, adapter, engine, runtime = _setup()
+    runtime.computer = _ExtraMetricOnRank1(adapter)
+    return {
+        "error": _error(
+            lambda: runtime.run_phase(_request(Role.FAKE_SCORE), _batch(adapter, engine, rank, world))
+        )
+    }
+
+
 SCENARIOS = {
+    "metric_keys_must_agree": metric_keys_must_agree,
     "trap_gradient_divide_factor_on_gloo": trap_gradient_divide_factor_on_gloo,
     "trap_peft_state_dict_on_sharded_model": trap_peft_state_dict_on_sharded_model,
     "ema_start_step": ema_start_step,

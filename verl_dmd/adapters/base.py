@@ -50,6 +50,8 @@ class DistributionMatchingModelAdapter:
     model_class: ClassVar[type[nn.Module]]
     parameterization: ClassVar[str] = "velocity"
     default_lora_targets: ClassVar[tuple[str, ...]] = ("to_q", "to_k", "to_v", "to_out.0")
+    tiny_config: ClassVar[dict[str, Any]] = {}
+    """A config that builds in well under a second on a CPU: for tests, examples and smoke runs."""
 
     def build_model(self, source: ModelSource) -> nn.Module:
         """Load from a local directory (never downloads) or build from a config (random init).

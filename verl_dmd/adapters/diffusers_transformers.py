@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from typing import ClassVar
 
 import torch
 from diffusers import FluxTransformer2DModel, SD3Transformer2DModel, WanTransformer3DModel
@@ -27,6 +28,11 @@ class SD3Adapter(DistributionMatchingModelAdapter):
     """SD3 / SD3.5 MMDiT: latents (B, C, H, W); timestep = 1000 * sigma."""
 
     model_class = SD3Transformer2DModel
+    tiny_config: ClassVar[dict] = {
+        "sample_size": 8, "patch_size": 2, "in_channels": 4, "num_layers": 2, "attention_head_dim": 8,
+        "num_attention_heads": 2, "joint_attention_dim": 16, "caption_projection_dim": 16,
+        "pooled_projection_dim": 8, "out_channels": 4, "pos_embed_max_size": 16,
+    }  # fmt: skip
 
     def fsdp_units(self, model: nn.Module) -> Sequence[nn.Module]:
         return list(model.transformer_blocks)
@@ -59,6 +65,11 @@ class FluxAdapter(DistributionMatchingModelAdapter):
     """
 
     model_class = FluxTransformer2DModel
+    tiny_config: ClassVar[dict] = {
+        "patch_size": 1, "in_channels": 8, "num_layers": 1, "num_single_layers": 1, "attention_head_dim": 8,
+        "num_attention_heads": 2, "joint_attention_dim": 16, "pooled_projection_dim": 8,
+        "axes_dims_rope": [2, 2, 4],
+    }  # fmt: skip
 
     def fsdp_units(self, model: nn.Module) -> Sequence[nn.Module]:
         return [*model.transformer_blocks, *model.single_transformer_blocks]
@@ -103,6 +114,10 @@ class WanAdapter(DistributionMatchingModelAdapter):
     """Wan 2.x video DiT: latents (B, C, F, H, W); timestep = 1000 * sigma."""
 
     model_class = WanTransformer3DModel
+    tiny_config: ClassVar[dict] = {
+        "patch_size": [1, 2, 2], "num_attention_heads": 2, "attention_head_dim": 8, "in_channels": 4,
+        "out_channels": 4, "text_dim": 16, "freq_dim": 16, "ffn_dim": 16, "num_layers": 2, "rope_max_seq_len": 32,
+    }  # fmt: skip
 
     def fsdp_units(self, model: nn.Module) -> Sequence[nn.Module]:
         return list(model.blocks)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import time
+import zlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -169,11 +170,21 @@ class DistillationRoleRuntime:
         if skipped_reason is None and role is Role.STUDENT:
             engine.update_ema(request.global_step + 1)
 
-        mean = torch.tensor(
-            [loss_sum / len(micro_batches), *metric_sums.values()], dtype=torch.float64, device=device
-        )
-        self._all_reduce(mean)
-        mean /= self.world_size
+        # Metrics are averaged by position, so every rank must report the same keys in the same
+        # order. A fixed-size reduce of (key count, CRC of the keys) checks that first: reducing
+        # tensors of different lengths would hang. Every rank sees the same sums and raises alike.
+        key_crc = float(zlib.crc32("\n".join(metric_sums).encode()))
+        signature = torch.tensor([len(metric_sums), key_crc], dtype=torch.float64, device=device)
+        if self._all_reduce(signature).tolist() != [
+            len(metric_sums) * self.world_size,
+            key_crc * self.world_size,
+        ]:
+            raise RuntimeError(
+                f"ranks reported different metric keys in a {role.value} phase (rank {self.rank}: "
+                f"{sorted(metric_sums)}); a phase computer must return the same metrics on every rank"
+            )
+        values = [loss_sum / len(micro_batches), *metric_sums.values()]
+        mean = self._all_reduce(torch.tensor(values, dtype=torch.float64, device=device)) / self.world_size
         metrics = {
             f"{role.value}/{k}": v / len(micro_batches)
             for k, v in zip(metric_sums, mean[1:].cpu().tolist(), strict=True)
