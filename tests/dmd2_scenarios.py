@@ -1,0 +1,89 @@
+"""Rank side of the DMD2 computer tests: a few real DMD2 phases, then one probed student phase."""
+
+from __future__ import annotations
+
+import torch
+from runtime_scenarios import full, local_part, make_plan, strip_model_prefix
+
+from verl_dmd.adapters import get_adapter
+from verl_dmd.algorithms.dmd2 import DMD2Computer
+from verl_dmd.controller import DistillationController
+from verl_dmd.phases import PhaseRequest, Role
+from verl_dmd.runtime.engine import RoleEngine
+from verl_dmd.runtime.runtime import DistillationRoleRuntime
+
+GUIDANCE = 3.0
+STUDENT_STEPS = 3
+PER_RANK = 4
+
+
+def dmd2_plan():
+    return make_plan(
+        "sd3",
+        "shared_base_adapters",
+        **{
+            "algorithm.teacher_guidance_scale": GUIDANCE,
+            "algorithm.student_steps": STUDENT_STEPS,
+            "algorithm.sigma_shift": 2.0,
+            "batch.student.accumulation_steps": 1,
+            "batch.fake_score.accumulation_steps": 1,
+            "optim.student.lr": 1e-2,
+            "optim.fake_score.lr": 1e-2,
+        },
+    )
+
+
+def dmd2_batch(adapter, model, size: int, seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    x0, cond = adapter.example_batch(model, size, generator)
+    batch = {"noise": torch.randn(x0.shape, generator=generator)}
+    batch.update({f"cond.{k}": v for k, v in cond.items()})
+    batch.update({f"uncond.{k}": torch.zeros_like(v) for k, v in cond.items()})
+    return batch
+
+
+def probe_student_gradient(rank: int, world_size: int) -> dict:
+    plan = dmd2_plan()
+    adapter = get_adapter("sd3")()
+    engine = RoleEngine(plan, adapter)
+    computer = DMD2Computer(adapter, plan.algorithm, seed=plan.trainer.seed, rank=rank)
+    runtime = DistillationRoleRuntime(engine, computer)
+    controller = DistillationController(
+        fake_update_ratio=plan.algorithm.fake_update_ratio, fake_warmup_steps=1
+    )
+    for phase in range(4):  # fake (warmup), student, fake, fake: every role has moved
+        role = controller.next_phase()
+        step = controller.student_steps if role is Role.STUDENT else controller.fake_steps
+        request = PhaseRequest(
+            role=role, global_step=controller.global_step, role_step=step, phase_index=phase
+        )
+        batch = dmd2_batch(adapter, engine.module_for(role), PER_RANK * world_size, seed=100 + phase)
+        metrics = runtime.run_phase(request, local_part(batch, rank, world_size))
+        assert metrics["stepped"], metrics
+        controller.record(role, stepped=True)
+    weights = {
+        f"{role.value}:{strip_model_prefix(engine.param_names[id(p)])}": full(p).detach().clone()
+        for role in (Role.STUDENT, Role.FAKE_SCORE)
+        for p in engine.params[role]
+    }
+    state = {k: v.clone() for k, v in computer.state_dict().items()}
+    probe = dmd2_batch(adapter, engine.module_for(Role.STUDENT), PER_RANK * world_size, seed=999)
+    request = PhaseRequest(role=Role.STUDENT, global_step=1, role_step=1, phase_index=4)
+    engine.zero_grad(Role.STUDENT)
+    with engine.trainable(Role.STUDENT), engine.use_role(Role.STUDENT):
+        output = computer.compute_phase(
+            request, local_part(probe, rank, world_size), runtime, micro_batch_index=0, num_micro_batches=1
+        )
+        output.loss.backward()
+    grads = {
+        f"student:{strip_model_prefix(engine.param_names[id(p)])}": full(p.grad).clone()
+        for p in engine.params[Role.STUDENT]
+    }
+    exits = [computer.exit_index() for _ in range(20)]
+    return {
+        "weights": weights,
+        "state": state,
+        "grads": grads,
+        "exits": exits,
+        "metrics": dict(output.metrics),
+    }

@@ -1,0 +1,193 @@
+"""The DMD2 phase computer against a from-scratch float64 implementation of docs/dmd2.md.
+
+The reference below uses none of verl_dmd.losses: noising, x0 recovery, CFG, the
+shift, the per-sample normalizer and the surrogate loss are written out here.
+It replays each rank's random draws from the computer's recorded generator
+states, in the order the computer documents, and averages the per-rank
+gradients as FSDP's reduction does.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from dist_harness import run_ranks
+from dmd2_scenarios import GUIDANCE, PER_RANK, STUDENT_STEPS, dmd2_batch, dmd2_plan, probe_student_gradient
+from peft import LoraConfig
+from runtime_scenarios import default_dtype
+
+from verl_dmd.adapters import get_adapter
+from verl_dmd.adapters.base import ModelSource
+from verl_dmd.algorithms.dmd2 import DMD2Computer
+
+WORLD_SIZE = 2
+
+
+@pytest.fixture(scope="module")
+def probed(tmp_path_factory):
+    return run_ranks(probe_student_gradient, WORLD_SIZE, tmp_path_factory.mktemp("dmd2"))
+
+
+def shift(sigma, s):
+    return s * sigma / (1 + (s - 1) * sigma)
+
+
+class Float64DMD2:
+    """Plain PEFT model in float64 with the runtime's trained adapters loaded."""
+
+    def __init__(self, weights):
+        self.plan = dmd2_plan()
+        self.adapter = get_adapter("sd3")()
+        torch.manual_seed(self.plan.trainer.seed)
+        model = self.adapter.build_model(ModelSource.of(self.plan.model.teacher))
+        model.requires_grad_(False)
+        for name in ("student", "fake_score", "student_ema"):
+            config = LoraConfig(r=4, lora_alpha=4, target_modules=list(self.adapter.default_lora_targets))
+            model.add_adapter(config, adapter_name=name)
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for key, value in weights.items():
+                params[key.split(":", 1)[1]].copy_(value)
+        self.model = model.double()
+        self.student_params = {n: p for n, p in self.model.named_parameters() if ".student." in n}
+
+    def velocity(self, role, x_t, sigma, cond):
+        if role == "teacher":
+            self.model.disable_adapters()
+        else:
+            self.model.enable_adapters()
+            self.model.set_adapter(role)
+        for p in self.student_params.values():
+            p.requires_grad_(True)
+        return self.adapter.predict(self.model, x_t, sigma, cond)
+
+    def rank_gradient(self, batch, state):
+        alg = self.plan.algorithm
+        local, shared = torch.Generator(), torch.Generator()
+        local.set_state(state["local"])
+        shared.set_state(state["shared"])
+        cond = {k[5:]: v.double() for k, v in batch.items() if k.startswith("cond.")}
+        uncond = {k[7:]: v.double() for k, v in batch.items() if k.startswith("uncond.")}
+        x_t = batch["noise"].double()
+        b = x_t.shape[0]
+        levels = [shift(1 - i / STUDENT_STEPS, alg.sigma_shift) for i in range(STUDENT_STEPS + 1)]
+        exit_index = int(torch.randint(STUDENT_STEPS, (1,), generator=shared).item())
+        for step in range(exit_index + 1):
+            sigma = torch.full(
+                (b,), float(torch.tensor(levels[step], dtype=torch.float32)), dtype=torch.float64
+            )
+            with torch.set_grad_enabled(step == exit_index):
+                x0 = x_t - sigma.view(-1, 1, 1, 1) * self.velocity("student", x_t, sigma, cond)
+            if step < exit_index:
+                nxt = float(torch.tensor(levels[step + 1], dtype=torch.float32))
+                noise = torch.randn(x_t.shape, generator=local, dtype=torch.float32).double()
+                x_t = (1 - nxt) * x0.detach() + nxt * noise
+        x = x0
+        u = torch.rand(b, generator=local, dtype=torch.float64)
+        sigma = shift(alg.sigma_min + (alg.sigma_max - alg.sigma_min) * u, alg.sigma_shift)
+        sigma = sigma.float().double()  # the computer hands the model float32 levels
+        eps = torch.randn(x.shape, generator=local, dtype=torch.float32).double()
+        s4 = sigma.view(-1, 1, 1, 1)
+        with torch.no_grad():
+            x_t = (1 - s4) * x.detach() + s4 * eps
+            x0_fake = x_t - s4 * self.velocity("fake_score", x_t, sigma, cond)
+            v_c = self.velocity("teacher", x_t, sigma, cond)
+            v_u = self.velocity("teacher", x_t, sigma, uncond)
+            x0_real = x_t - s4 * (v_u + GUIDANCE * (v_c - v_u))
+            weight = torch.stack([(x[i] - x0_real[i]).abs().mean() for i in range(b)]).clamp_min(1e-6)
+            grad = (x0_fake - x0_real) / weight.view(-1, 1, 1, 1)
+        loss = 0.5 * ((x - (x - grad).detach()) ** 2).mean()
+        grads = torch.autograd.grad(loss, list(self.student_params.values()))
+        return exit_index, dict(zip(self.student_params, grads, strict=True))
+
+
+def test_student_gradient_matches_float64_reference(probed):
+    """The reduced student gradient of a guided, 3-step, backward-simulated DMD2 phase on 2
+    ranks equals the rank-averaged float64 reference gradient (relative error < 1e-4)."""
+    rank0, rank1 = probed
+    # Built in float32 (the ranks' init and draws), then converted: float64 from here on.
+    reference = Float64DMD2(rank0["weights"])
+    probe = dmd2_batch(reference.adapter, reference.model, PER_RANK * WORLD_SIZE, seed=999)
+    with default_dtype(torch.float64):
+        per_rank = []
+        exits = []
+        for rank, result in enumerate((rank0, rank1)):
+            part = {k: v.float().chunk(WORLD_SIZE)[rank] for k, v in probe.items()}
+            exit_index, grads = reference.rank_gradient(part, result["state"])
+            exits.append(exit_index)
+            per_rank.append(grads)
+    assert exits[0] == exits[1] == rank0["metrics"]["exit_index"] == rank1["metrics"]["exit_index"]
+    checked = 0
+    for name, g0 in per_rank[0].items():
+        want = (g0 + per_rank[1][name]) / 2
+        got = rank0["grads"][f"student:{name}"]
+        assert torch.equal(got, rank1["grads"][f"student:{name}"])
+        if want.norm() == 0:
+            assert got.norm() == 0
+            continue
+        error = float((got.double() - want).norm() / want.norm())
+        assert error < 1e-4, (name, error)
+        checked += 1
+    assert checked == len(per_rank[0])
+
+
+def test_exit_index_is_shared_across_ranks(probed):
+    """The backward-simulation exit index comes from a generator seeded alike on every rank."""
+    rank0, rank1 = probed
+    assert rank0["exits"] == rank1["exits"]
+    assert len(set(rank0["exits"])) == STUDENT_STEPS  # and it does vary over the schedule
+
+
+class _RecordingAdapter:
+    """Stands in for a model adapter: records grad mode per call; velocity = w * x_t."""
+
+    def __init__(self):
+        self.grad_modes = []
+
+    def predict(self, module, x_t, sigma, cond):
+        self.grad_modes.append(torch.is_grad_enabled())
+        return module * x_t
+
+
+@pytest.mark.parametrize("exit_index", [0, 1, 3])
+def test_backward_simulation_runs_grad_only_at_the_exit(exit_index):
+    """Steps before the exit run without grad; the exit step with grad; re-noising happens between."""
+    plan = dmd2_plan()
+    algorithm = plan.algorithm.__class__(**{**plan.algorithm.__dict__, "student_steps": 4})
+    recorder = _RecordingAdapter()
+    computer = DMD2Computer(recorder, algorithm, seed=0, rank=0)
+    w = torch.tensor(0.5, requires_grad=True)
+    x = computer.student_sample(w, torch.randn(2, 3), {}, exit_index=exit_index, grad=True)
+    assert recorder.grad_modes == [False] * exit_index + [True]
+    assert x.requires_grad
+    (dx,) = torch.autograd.grad(x.sum(), w)
+    assert math.isfinite(float(dx))
+
+
+def test_unsupported_options_fail_at_construction():
+    """GAN, regression and multi-step without backward simulation are refused with the key named."""
+    plan = dmd2_plan()
+    base = plan.algorithm.__dict__
+    cases = {
+        "algorithm.gan_discriminator_weight": {"gan_discriminator_weight": 0.01},
+        "algorithm.regression_weight": {"regression_weight": 0.5},
+        "algorithm.backward_simulation": {"backward_simulation": False},
+    }
+    for key, change in cases.items():
+        algorithm = plan.algorithm.__class__(**{**base, **change})
+        with pytest.raises(ValueError, match=f"config key '{key}'"):
+            DMD2Computer(_RecordingAdapter(), algorithm, seed=0, rank=0)
+
+
+def test_state_dict_round_trip_reproduces_draws():
+    """Restoring the generator states reproduces the exit indices (and every later draw)."""
+    plan = dmd2_plan()
+    first = DMD2Computer(_RecordingAdapter(), plan.algorithm, seed=5, rank=1)
+    first.exit_index()
+    state = {k: v.clone() for k, v in first.state_dict().items()}
+    expected = [first.exit_index() for _ in range(10)]
+    second = DMD2Computer(_RecordingAdapter(), plan.algorithm, seed=99, rank=0)
+    second.load_state_dict(state)
+    assert [second.exit_index() for _ in range(10)] == expected

@@ -1,0 +1,188 @@
+"""The DMD2 phase computer: student (distribution matching) and fake-score (denoising) phases.
+
+Conventions are those of docs/dmd2.md; the math is `verl_dmd.losses`.
+
+Batch contract (per rank, split into micro-batches by the runtime):
+- ``noise``: the student's starting noise, shape (B, *latent); the data provider
+  makes it, so it can be a pure function of the sample's position (resumable).
+- ``cond.<name>``: conditioning tensors passed to the model adapter.
+- ``uncond.<name>``: the unconditional inputs, required when teacher guidance is on.
+
+Randomness drawn here, in this order per micro-batch, from generators whose state
+is in `state_dict()`:
+1. the exit index of backward simulation (multi-step students), from the
+   *shared* generator seeded identically on every rank, so all ranks agree;
+2. per simulated step before the exit, the re-noising noise (local generator);
+3. in a student phase, the noise level per sample, then the noise ``eps``;
+   in a fake-score phase, the same two draws from the fake-score range.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from verl_dmd import losses
+from verl_dmd.adapters.base import DistributionMatchingModelAdapter
+from verl_dmd.phases import PhaseOutput, PhaseRequest, Role
+from verl_dmd.plan import AlgorithmSpec
+
+COND, UNCOND = "cond.", "uncond."
+
+
+def _prefixed(batch: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+    return {k[len(prefix) :]: v for k, v in batch.items() if k.startswith(prefix)}
+
+
+def _draw(shape, generator: torch.Generator, like: torch.Tensor) -> torch.Tensor:
+    """Standard normal noise from a CPU generator, moved to `like`'s device and dtype."""
+    return torch.randn(shape, generator=generator, dtype=torch.float32).to(like.device, like.dtype)
+
+
+class DMD2Computer:
+    """Computes one micro-batch of a DMD2 student or fake-score phase; see the module docstring."""
+
+    def __init__(
+        self, adapter: DistributionMatchingModelAdapter, algorithm: AlgorithmSpec, *, seed: int, rank: int
+    ) -> None:
+        unsupported = [
+            ("algorithm.gan_generator_weight", algorithm.gan_generator_weight > 0),
+            ("algorithm.gan_discriminator_weight", algorithm.gan_discriminator_weight > 0),
+            ("algorithm.regression_weight", algorithm.regression_weight > 0),
+            (
+                "algorithm.backward_simulation",
+                algorithm.student_steps > 1 and not algorithm.backward_simulation,
+            ),
+        ]
+        for key, hit in unsupported:
+            if hit:
+                raise ValueError(
+                    f"config key '{key}' = {getattr(algorithm, key.split('.')[1])!r}: not supported by this "
+                    "version's DMD2 computer (GAN head, regression term and multi-step training on real "
+                    "data are not built yet); fix: leave it at its default"
+                )
+        self.adapter = adapter
+        self.algorithm = algorithm
+        self.seed = seed
+        self.rank = rank
+        self.local = torch.Generator().manual_seed(seed * 1_000_003 + 1 + rank)
+        self.shared = torch.Generator().manual_seed(seed * 1_000_003)
+        self.schedule = losses.student_sigma_schedule(
+            algorithm.student_steps, shift=algorithm.sigma_shift, sigmas=algorithm.student_sigmas
+        )
+
+    # ------------------------------------------------------------------ sampling
+
+    def exit_index(self) -> int:
+        """Backward simulation: the step that runs with grad, the same on every rank."""
+        if self.algorithm.student_steps == 1:
+            return 0
+        return int(torch.randint(self.algorithm.student_steps, (1,), generator=self.shared).item())
+
+    def student_sample(
+        self, module, noise: torch.Tensor, cond: Mapping[str, Any], *, exit_index: int, grad: bool
+    ) -> torch.Tensor:
+        """The student's x0 estimate at step `exit_index` of its schedule, starting from `noise`.
+
+        Steps before the exit run without grad (predict x0, re-noise with fresh noise
+        to the next level); the exit step runs with grad if `grad`.
+        """
+        x_t = noise
+        batch = noise.shape[0]
+        for step in range(exit_index + 1):
+            sigma = self.schedule[step].to(noise.device, noise.dtype).expand(batch)
+            with torch.set_grad_enabled(grad and step == exit_index):
+                velocity = self.adapter.predict(module, x_t, sigma, cond)
+                x0 = losses.x0_from_velocity(x_t, velocity, sigma)
+            if step < exit_index:
+                next_sigma = self.schedule[step + 1].to(noise.device, noise.dtype).expand(batch)
+                x_t = losses.add_noise(x0.detach(), _draw(noise.shape, self.local, noise), next_sigma)
+        return x0
+
+    def _sigmas(self, batch: int, low: float, high: float, like: torch.Tensor) -> torch.Tensor:
+        sigma = losses.sample_sigmas(
+            batch, generator=self.local, sigma_min=low, sigma_max=high, shift=self.algorithm.sigma_shift
+        )
+        return sigma.to(like.device, like.dtype)
+
+    # ------------------------------------------------------------------ phases
+
+    def compute_phase(
+        self, request: PhaseRequest, batch, runtime, *, micro_batch_index: int, num_micro_batches: int
+    ) -> PhaseOutput:
+        if request.role is Role.STUDENT:
+            return self._student_phase(batch, runtime)
+        return self._fake_score_phase(batch, runtime)
+
+    def _student_phase(self, batch, runtime) -> PhaseOutput:
+        alg = self.algorithm
+        noise, cond = batch["noise"], _prefixed(batch, COND)
+        exit_index = self.exit_index()
+        x = self.student_sample(
+            runtime.engine.module_for(Role.STUDENT), noise, cond, exit_index=exit_index, grad=True
+        )
+        sigma = self._sigmas(x.shape[0], alg.sigma_min, alg.sigma_max, x)
+        eps = _draw(x.shape, self.local, x)
+        with torch.no_grad():
+            x_t = losses.add_noise(x.detach(), eps, sigma)
+            with runtime.use_role(Role.FAKE_SCORE) as fake:
+                x0_fake = losses.x0_from_velocity(x_t, self.adapter.predict(fake, x_t, sigma, cond), sigma)
+            with runtime.use_role(Role.TEACHER) as teacher:
+                v_cond = self.adapter.predict(teacher, x_t, sigma, cond)
+                if self._guided:
+                    v_uncond = self.adapter.predict(teacher, x_t, sigma, self._uncond(batch))
+                    v_cond = losses.classifier_free_guidance(
+                        v_uncond, v_cond, alg.teacher_guidance_scale, alg.cfg_form
+                    )
+            x0_real = losses.x0_from_velocity(x_t, v_cond, sigma)
+        dmd = losses.dmd_gradient(
+            x, x0_fake, x0_real, normalizer=alg.dmd_normalizer, eps=alg.dmd_normalizer_eps
+        )
+        loss = losses.generator_surrogate_loss(x, dmd.grad)
+        metrics = {
+            "dmd_loss": loss.detach(),
+            "dmd_nonfinite": float(dmd.nonfinite_count),
+            "dmd_normalizer": dmd.normalizer.mean(),
+            "exit_index": float(exit_index),
+        }
+        return PhaseOutput(loss=loss, metrics=metrics)
+
+    def _fake_score_phase(self, batch, runtime) -> PhaseOutput:
+        alg = self.algorithm
+        noise, cond = batch["noise"], _prefixed(batch, COND)
+        exit_index = self.exit_index()
+        with torch.no_grad(), runtime.use_role(Role.STUDENT) as student:
+            x = self.student_sample(student, noise, cond, exit_index=exit_index, grad=False)
+        sigma = self._sigmas(x.shape[0], alg.fake_sigma_min, alg.fake_sigma_max, x)
+        eps = _draw(x.shape, self.local, x)
+        x_t = losses.add_noise(x, eps, sigma)
+        velocity = self.adapter.predict(runtime.engine.module_for(Role.FAKE_SCORE), x_t, sigma, cond)
+        loss = losses.fake_score_loss(velocity, x, eps)
+        return PhaseOutput(loss=loss, metrics={"fake_loss": loss.detach()})
+
+    @property
+    def _guided(self) -> bool:
+        alg = self.algorithm
+        return alg.teacher_guidance_scale != (1.0 if alg.cfg_form == "standard" else 0.0)
+
+    @staticmethod
+    def _uncond(batch) -> dict[str, Any]:
+        uncond = _prefixed(batch, UNCOND)
+        if not uncond:
+            raise ValueError(
+                "algorithm.teacher_guidance_scale asks for classifier-free guidance but the batch has no "
+                "'uncond.*' inputs; fix: have the data provider emit unconditional inputs, or set the scale to 1"
+            )
+        return uncond
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        """Generator states as uint8 tensors (loadable with torch.load(weights_only=True))."""
+        return {"local": self.local.get_state(), "shared": self.shared.get_state()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.local.set_state(state["local"])
+        self.shared.set_state(state["shared"])
