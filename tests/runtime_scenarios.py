@@ -16,7 +16,7 @@ from verl_dmd.plan import DistillationPlan
 from verl_dmd.runtime.engine import RoleEngine
 from verl_dmd.runtime.runtime import DistillationRoleRuntime
 
-TINY_CONFIGS = {family: get_adapter(family).tiny_config for family in ("sd3", "flux", "wan")}
+TINY_CONFIGS = {family: get_adapter(family).tiny_config for family in ("sd3", "flux", "wan", "dit")}
 
 
 FAKE_UPDATE_RATIO = 2

@@ -223,3 +223,24 @@ def test_ranks_with_different_metric_keys_fail_loudly(results):
     for rank in (0, 1):
         error = scenario(results, "metric_keys_must_agree", rank)["error"]
         assert error is not None and "different metric keys" in error
+
+
+def test_trap_dit_keeps_block_zero_in_the_root_unit(results):
+    """Guard: DiTAdapter.fsdp_units leaves block 0 in the root. DiT's forward reads
+    transformer_blocks[0].norm1.emb outside block 0; sharding every block fails on mixed
+    tensors. The guarded forward equals an unsharded single-process forward."""
+    from runtime_scenarios import make_plan
+
+    from verl_dmd.adapters import get_adapter
+    from verl_dmd.adapters.base import ModelSource
+
+    got = scenario(results, "trap_dit_block_zero_in_root")
+    assert got["unguarded"] is not None and "DTensor" in got["unguarded"]
+    plan = make_plan("dit", "shared_base_adapters")
+    adapter = get_adapter("dit")()
+    torch.manual_seed(plan.trainer.seed)
+    model = adapter.build_model(ModelSource.of(plan.model.teacher)).eval()  # eval: no CFG label dropout
+    x0, cond = adapter.example_batch(model, 4, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = adapter.predict(model, x0, torch.full((4,), 0.5), cond)
+    assert relative_error(got["guarded"], want) < 1e-5

@@ -474,7 +474,32 @@ def metric_keys_must_agree(rank, world):
     }
 
 
+def trap_dit_block_zero_in_root(rank, world):
+    """DiT reads block 0's label embedding outside block 0: sharding block 0 as a unit breaks."""
+    from verl_dmd.adapters.diffusers_transformers import DiTAdapter
+
+    def forward(all_blocks_as_units: bool):
+        units = (
+            (lambda self, model: list(model.transformer_blocks))
+            if all_blocks_as_units
+            else DiTAdapter.fsdp_units
+        )
+        with patched(DiTAdapter, "fsdp_units", units):
+            plan = make_plan("dit", SHARED)
+            adapter = get_adapter("dit")()
+            engine = RoleEngine(plan, adapter)
+            x0, cond = adapter.example_batch(
+                engine.module_for(Role.STUDENT), 4, torch.Generator().manual_seed(0)
+            )
+            with torch.no_grad(), engine.use_role(Role.TEACHER) as teacher:
+                return adapter.predict(teacher, x0, torch.full((4,), 0.5), cond)
+
+    guarded = _error(lambda: forward(False)) or forward(False)
+    return {"guarded": guarded, "unguarded": _error(lambda: forward(True))}
+
+
 SCENARIOS = {
+    "trap_dit_block_zero_in_root": trap_dit_block_zero_in_root,
     "metric_keys_must_agree": metric_keys_must_agree,
     "trap_gradient_divide_factor_on_gloo": trap_gradient_divide_factor_on_gloo,
     "trap_peft_state_dict_on_sharded_model": trap_peft_state_dict_on_sharded_model,

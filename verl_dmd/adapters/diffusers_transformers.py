@@ -1,4 +1,4 @@
-"""Adapters for diffusers' flow-matching transformers: SD3/SD3.5, Flux and Wan.
+"""Adapters for diffusers' transformers: SD3/SD3.5, Flux, Wan, and class-conditional DiT.
 
 Conditioning is precomputed (text encoders stay outside the training loop):
 `cond` holds prompt embeddings and, where the family uses them, pooled
@@ -12,7 +12,12 @@ from collections.abc import Mapping, Sequence
 from typing import ClassVar
 
 import torch
-from diffusers import FluxTransformer2DModel, SD3Transformer2DModel, WanTransformer3DModel
+from diffusers import (
+    DiTTransformer2DModel,
+    FluxTransformer2DModel,
+    SD3Transformer2DModel,
+    WanTransformer3DModel,
+)
 from torch import nn
 
 from verl_dmd.adapters.base import DistributionMatchingModelAdapter
@@ -135,3 +140,38 @@ class WanAdapter(DistributionMatchingModelAdapter):
         x0 = _randn((batch_size, cfg.in_channels, 2, 8, 8), generator)
         cond = {"encoder_hidden_states": _randn((batch_size, 4, cfg.text_dim), generator)}
         return x0, cond
+
+
+@register_adapter("dit")
+class DiTAdapter(DistributionMatchingModelAdapter):
+    """Class-conditional DiT trained as a flow-matching velocity model: latents (B, C, H, W),
+    timestep = 1000 * sigma, ``cond["class_labels"]`` (B,) long; the null class for
+    classifier-free guidance is ``num_embeds_ada_norm`` (the extra row of the label table).
+    """
+
+    model_class = DiTTransformer2DModel
+    tiny_config: ClassVar[dict] = {
+        "sample_size": 8, "patch_size": 2, "in_channels": 1, "out_channels": 1, "num_layers": 2,
+        "num_attention_heads": 2, "attention_head_dim": 8, "num_embeds_ada_norm": 10,
+        "norm_type": "ada_norm_zero",
+    }  # fmt: skip
+
+    def fsdp_units(self, model: nn.Module) -> Sequence[nn.Module]:
+        # DiT's forward reads transformer_blocks[0].norm1.emb outside block 0; a block sharded as
+        # its own unit would then mix plain tensors and DTensors (TRAPS). Block 0 stays in the root.
+        return list(model.transformer_blocks)[1:]
+
+    def predict(self, model, x_t, sigma, cond: Mapping[str, torch.Tensor]):
+        return model(
+            hidden_states=x_t, timestep=sigma * 1000.0, class_labels=cond["class_labels"], return_dict=False
+        )[0]
+
+    @staticmethod
+    def null_class(model: nn.Module) -> int:
+        return int(model.config.num_embeds_ada_norm)
+
+    def example_batch(self, model, batch_size, generator):
+        cfg = model.config
+        x0 = _randn((batch_size, cfg.in_channels, cfg.sample_size, cfg.sample_size), generator)
+        labels = torch.randint(cfg.num_embeds_ada_norm, (batch_size,), generator=generator)
+        return x0, {"class_labels": labels}

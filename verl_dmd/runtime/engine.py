@@ -74,6 +74,19 @@ def _lora_config(spec: LoraSpec, default_targets: Sequence[str]):
     )
 
 
+def _add_adapter(model: nn.Module, config, name: str) -> None:
+    """Inject a named LoRA adapter with PEFT itself, so any nn.Module works (not only diffusers
+    models with the PEFT mixin); every adapter is added before sharding (see the module docstring)."""
+    import warnings
+
+    from peft import inject_adapter_in_model
+
+    with warnings.catch_warnings():
+        # PEFT warns that a second adapter joins an existing peft_config: that is the point here.
+        warnings.filterwarnings("ignore", message="Already found a `peft_config` attribute")
+        inject_adapter_in_model(config, model, adapter_name=name)
+
+
 def load_peft_adapter_dir(model: nn.Module, path: str, adapter_name: str, spec: LoraSpec, key: str) -> None:
     """Load a saved PEFT adapter directory into `adapter_name` (before sharding).
 
@@ -167,7 +180,7 @@ class RoleEngine:
         names = [Role.STUDENT, Role.FAKE_SCORE] + ([Role.STUDENT_EMA] if self.ema_enabled else [])
         for role in names:
             spec = self._lora_spec(role)
-            base.add_adapter(_lora_config(spec, self.adapter.default_lora_targets), adapter_name=role.value)
+            _add_adapter(base, _lora_config(spec, self.adapter.default_lora_targets), role.value)
             if spec.init_path and role is not Role.STUDENT_EMA:
                 load_peft_adapter_dir(base, spec.init_path, role.value, spec, f"model.{role.value}.lora")
         if self.ema_enabled:
@@ -184,9 +197,7 @@ class RoleEngine:
             model = copy.deepcopy(teacher) if source.is_empty else self.adapter.build_model(source)
             if spec.lora.enabled:
                 model.requires_grad_(False)
-                model.add_adapter(
-                    _lora_config(spec.lora, self.adapter.default_lora_targets), adapter_name=role.value
-                )
+                _add_adapter(model, _lora_config(spec.lora, self.adapter.default_lora_targets), role.value)
                 if spec.lora.init_path:
                     load_peft_adapter_dir(
                         model, spec.lora.init_path, role.value, spec.lora, f"model.{role.value}.lora"
