@@ -1,0 +1,1 @@
+"""Data sources: the embedded digits set (more providers arrive with the trainer)."""

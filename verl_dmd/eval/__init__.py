@@ -1,0 +1,1 @@
+"""Sample-quality metrics: Frechet distance in classifier features, class accuracy."""
