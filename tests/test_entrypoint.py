@@ -38,7 +38,7 @@ def test_default_recipe_prints_plan_and_schedule(tmp_path):
     result = run_main(tmp_path=tmp_path)
     assert result.returncode == 0, result.stderr
     out = result.stdout
-    assert "adapter: digits" in out
+    assert "adapter: dit" in out
     fingerprint = next(line for line in out.splitlines() if line.startswith("plan fingerprint: "))
     assert len(fingerprint.split(": ")[1]) == 64
     schedule = next(line for line in out.splitlines() if line.startswith("first 16 phases"))

@@ -138,7 +138,7 @@ def test_digits_recipe_composes_with_hydra():
     with initialize_config_dir(config_dir=str(ROOT / "recipes"), version_base=None):
         cfg = compose(config_name="digits_dmd2")
     plan = DistillationPlan.from_config(cfg)
-    assert plan.model.adapter == "digits" and plan.data.name == "digits"
+    assert plan.model.adapter == "dit" and plan.data.name == "digits"
     assert plan.resources.world_size == 2
 
 
