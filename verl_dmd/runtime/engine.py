@@ -433,7 +433,7 @@ class RoleEngine:
                         "a phase computer must run every other role under torch.no_grad"
                     )
 
-    def set_gradient_sync(self, role: Role, enabled: bool) -> None:
+    def set_gradient_sync(self, enabled: bool) -> None:
         for module in self.fsdp_modules():
             module.set_requires_gradient_sync(enabled, recurse=False)
 
@@ -464,7 +464,3 @@ class RoleEngine:
         out.update({role.value: size(params) for role, params in self.params.items()})
         out["ema_state"] = size(self.independent_ema)
         return out
-
-
-def data_parallel_group_size(group=None) -> int:
-    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1

@@ -111,7 +111,7 @@ class DistillationRoleRuntime:
         with engine.trainable(role), engine.use_role(role):
             for index, micro_batch in enumerate(micro_batches):
                 # Reduce-scatter only on the last micro-batch (TRAPS: set_requires_gradient_sync).
-                engine.set_gradient_sync(role, index == len(micro_batches) - 1)
+                engine.set_gradient_sync(index == len(micro_batches) - 1)
                 output = self.computer.compute_phase(
                     request,
                     micro_batch,
@@ -131,7 +131,7 @@ class DistillationRoleRuntime:
                     metric_sums[key] = metric_sums.get(key, 0.0) + value
                 if output.loss.requires_grad:
                     (output.loss * weight).backward()
-            engine.set_gradient_sync(role, True)
+            engine.set_gradient_sync(True)
             engine.check_gradient_isolation(role)
             params = engine.params[role]
 
