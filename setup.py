@@ -48,7 +48,11 @@ setup(
     python_requires=">=3.11",
     packages=[*find_packages(include=["verl_dmd", "verl_dmd.*"]), "verl_dmd.config", "verl_dmd.recipes"],
     package_dir={"verl_dmd.config": "config", "verl_dmd.recipes": "recipes"},
-    package_data={"verl_dmd.config": ["*.yaml"], "verl_dmd.recipes": ["*.yaml"]},
+    package_data={
+        "verl_dmd.config": ["*.yaml"],
+        "verl_dmd.recipes": ["*.yaml"],
+        "verl_dmd.assets": ["*/config.json", "*/*.safetensors"],
+    },
     include_package_data=False,
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS_REQUIRE,

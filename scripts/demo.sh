@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
-# The main job (README quick start): set up, then run the default digits recipe.
-# Extra arguments are hydra overrides, e.g. `bash scripts/demo.sh algorithm.fake_update_ratio=3`.
+# The main job (README quick start): set up, validate the default digits recipe, distil it, print the table.
+# Extra arguments are dotted overrides, e.g. `bash scripts/demo.sh trainer.total_steps=100`.
+#
+# Today the distillation runs in one process without ray (scripts/distill_digits.py);
+# the ray trainer replaces it when it lands (see README "Status").
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$root/scripts/setup_env.sh"
 venv="${VERL_DMD_VENV:-$root/.venv}"
 cd "$root"
-exec "$venv/bin/python" -m verl_dmd.main --config-name digits_dmd2 "$@"
+"$venv/bin/python" -m verl_dmd.main --config-name digits_dmd2 "$@"
+exec "$venv/bin/python" scripts/distill_digits.py "$@"

@@ -1,11 +1,16 @@
-"""Distil the digits teacher with DMD2 in one process (no ray) and report the student's digits quality.
+"""Distil the digits teacher with DMD2 in one process (no ray) and print the digits quality table.
 
-A first, single-process runner for the embedded default (the ray trainer comes
-later). It builds the plan from the digits recipe plus overrides, drives the
-controller, the role runtime and the DMD2 computer, and prints the 1-step and
-multi-step quality of the student and its EMA at the end:
+The embedded default end to end without ray: the digits recipe (plus dotted
+overrides) becomes a plan; the controller, the role runtime, the DMD2 computer
+and the digits condition stream train the student; then the teacher (Euler, 1 to
+32 steps) and the student and its EMA (1 step and the recipe's step count) are
+sampled from the same noise, scored, and written to ``--out``:
 
-    python scripts/distill_digits.py --teacher outputs/digits_teacher --cycles 300
+    python scripts/distill_digits.py --out outputs/digits_dmd2
+
+``<out>/table.md`` holds the table, ``<out>/samples/`` one .npz and one PNG grid
+per row (one class per column). The ray trainer (the README's main command) runs
+the same recipe on a worker group.
 """
 
 from __future__ import annotations
@@ -16,91 +21,80 @@ import sys
 import time
 from pathlib import Path
 
+import safetensors.torch
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from verl_dmd import config_dir, recipes_dir
 from verl_dmd.adapters import get_adapter
-from verl_dmd.algorithms.dmd2 import DMD2Computer
 from verl_dmd.controller import DistillationController
-from verl_dmd.data.digits import NUM_CLASSES, load_digits_splits
-from verl_dmd.eval.digits_classifier import digits_quality, train_digits_classifier
+from verl_dmd.data.digits import DigitsConditionStream, check_pairs, load_digits_splits, teacher_pairs
+from verl_dmd.eval.digits_classifier import train_digits_classifier
+from verl_dmd.eval.digits_report import TEACHER_STEPS, DigitsEvaluation, format_table
+from verl_dmd.eval.sampling import euler_sample, even_schedule, few_step_sample
 from verl_dmd.phases import PhaseRequest, Role
-from verl_dmd.plan import DistillationPlan
+from verl_dmd.plan import DistillationPlan, PlanError
 from verl_dmd.runtime.engine import RoleEngine
 from verl_dmd.runtime.runtime import DistillationRoleRuntime
 
-
-def digits_batch(size: int, generator: torch.Generator, null_class: int) -> dict[str, torch.Tensor]:
-    labels = torch.randint(NUM_CLASSES, (size,), generator=generator)
-    return {
-        "noise": torch.randn(size, 1, 8, 8, generator=generator),
-        "cond.class_labels": labels,
-        "uncond.class_labels": torch.full_like(labels, null_class),
-    }
+PAIR_STEPS = 32
 
 
-def build_plan(teacher: Path, overrides: list[str]) -> DistillationPlan:
+def build_plan(overrides: list[str]) -> DistillationPlan:
+    """The digits recipe over the base config, then the overrides (as `verl-dmd` composes it)."""
     recipe = OmegaConf.load(recipes_dir() / "digits_dmd2.yaml")
     recipe.pop("defaults")
     recipe.pop("hydra")
     config = OmegaConf.merge(OmegaConf.load(config_dir() / "dmd2.yaml"), recipe)
-    config.model.teacher.config = None
-    config.model.teacher.path = str(teacher)
     config.merge_with_dotlist(overrides)
     return DistillationPlan.from_config(config)
 
 
-@torch.no_grad()
-def sample_student(engine, computer, role: Role, labels: torch.Tensor, steps: int, generator) -> torch.Tensor:
-    """Few-step sampling along the student's schedule (x0 prediction, re-noise, repeat)."""
-    adapter = computer.adapter
-    x_t = torch.randn(labels.shape[0], 1, 8, 8, generator=generator)
-    schedule = torch.linspace(1.0, 0.0, steps + 1)
-    with engine.use_role(role) as module:
-        for i in range(steps):
-            sigma = schedule[i].expand(labels.shape[0])
-            x0 = x_t - sigma.view(-1, 1, 1, 1) * adapter.predict(module, x_t, sigma, {"class_labels": labels})
-            if i + 1 < steps:
-                x_t = (1 - schedule[i + 1]) * x0 + schedule[i + 1] * torch.randn(
-                    x0.shape, generator=generator
-                )
-    return x0
+def regression_pairs(
+    plan: DistillationPlan, engine, adapter, labels: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """The regression term's (noise, teacher sample) pairs: read from data.regression_pairs_path, or made
+    there by the teacher (32 Euler steps, one pair per training label) when the file does not exist yet."""
+    path = Path(plan.data.regression_pairs_path)
+    if path.is_file():
+        try:
+            pairs = safetensors.torch.load_file(path)
+        except Exception as err:  # safetensors raises several types for a damaged file
+            raise ValueError(
+                f"data.regression_pairs_path = {str(path)!r}: not a readable safetensors file ({err}); "
+                "fix: delete it to regenerate, or point the key at a digits pairs file"
+            ) from None
+        print(f"regression pairs: {path} ({pairs['noise'].shape[0] if 'noise' in pairs else 0} pairs)")
+        return check_pairs(pairs, repr(str(path)))
+    started = time.perf_counter()
+    with engine.use_role(Role.TEACHER) as teacher:
+        pairs = teacher_pairs(adapter, teacher, labels, seed=plan.trainer.seed + 7919, steps=PAIR_STEPS)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    metadata = {
+        "teacher": str(plan.model.teacher.path),
+        "euler_steps": str(PAIR_STEPS),
+        "seed": str(plan.trainer.seed),
+    }
+    safetensors.torch.save_file(pairs, path, metadata=metadata)
+    print(
+        f"regression pairs: {len(labels)} teacher samples ({PAIR_STEPS} Euler steps) in "
+        f"{time.perf_counter() - started:.1f} s, saved to {path}"
+    )
+    return pairs
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--teacher", type=Path, required=True, help="diffusers directory from train_digits_teacher.py"
-    )
-    parser.add_argument(
-        "--cycles", type=int, default=300, help="student steps (each with K fake-score steps)"
-    )
-    parser.add_argument("--eval-samples", type=int, default=500)
-    parser.add_argument("overrides", nargs="*", help="dotted plan overrides, e.g. optim.student.lr=1e-4")
-    args = parser.parse_args(argv)
-    if not (args.teacher / "config.json").is_file():
-        parser.error(
-            f"--teacher {args.teacher}: no config.json (train one with scripts/train_digits_teacher.py)"
-        )
-    torch.set_num_threads(2)
-    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29517")
-    dist.init_process_group("gloo")
-    plan = build_plan(args.teacher, args.overrides)
-    adapter = get_adapter(plan.model.adapter)()
-    engine = RoleEngine(plan, adapter)
-    computer = DMD2Computer(adapter, plan.algorithm, seed=plan.trainer.seed, rank=0)
+def train(plan: DistillationPlan, engine, computer, stream, cycles: int) -> None:
     runtime = DistillationRoleRuntime(engine, computer)
     controller = DistillationController(
         fake_update_ratio=plan.algorithm.fake_update_ratio,
         fake_warmup_steps=plan.algorithm.fake_warmup_steps,
         max_consecutive_skips=plan.trainer.max_consecutive_skips,
     )
-    null = adapter.null_class(engine.module_for(Role.TEACHER))
-    data = torch.Generator().manual_seed(plan.trainer.seed)
     started = time.perf_counter()
-    while not controller.is_done(args.cycles):
+    every = max(1, cycles // 20)
+    fake_loss = float("nan")
+    while not controller.is_done(cycles):
         role = controller.next_phase()
         spec = getattr(plan.batch, role.value)
         step = controller.student_steps if role is Role.STUDENT else controller.fake_steps
@@ -108,27 +102,117 @@ def main(argv=None) -> int:
             role=role, global_step=controller.global_step, role_step=step, phase_index=controller.phase_index
         )
         metrics = runtime.run_phase(
-            request, digits_batch(spec.micro_batch_size * spec.accumulation_steps, data, null)
+            request, stream.next_batch(spec.micro_batch_size * spec.accumulation_steps)
         )
         controller.record(role, stepped=metrics["stepped"])
-        if role is Role.STUDENT and controller.global_step % max(1, args.cycles // 10) == 0:
+        if role is Role.FAKE_SCORE:
+            fake_loss = metrics["fake_score/fake_loss"]
+        elif controller.global_step % every == 0 or controller.global_step == cycles:
+            elapsed = time.perf_counter() - started
+            done = controller.global_step
             print(
-                f"step {controller.global_step:4d} dmd_loss {metrics['student/dmd_loss']:.4f} "
-                f"grad_norm {metrics['student/grad_norm']:.3f} {time.perf_counter() - started:6.1f}s",
+                f"step {done:5d}/{cycles}  dmd_loss {metrics['student/dmd_loss']:.4f}  fake_loss "
+                f"{fake_loss:.4f}  grad_norm {metrics['student/grad_norm']:.3f}  skips {controller.student_skips + controller.fake_skips}  "
+                f"{elapsed:6.1f}s  eta {elapsed / done * (cycles - done):6.1f}s",
                 flush=True,
             )
-    train, holdout = load_digits_splits(seed=0)
-    classifier = train_digits_classifier(train, seed=0)
-    labels = torch.arange(args.eval_samples) % NUM_CLASSES
-    print("role         steps  digits-FID  accuracy")
-    for role in (Role.STUDENT, Role.STUDENT_EMA):
-        for steps in (1, 4):
-            samples = sample_student(engine, computer, role, labels, steps, torch.Generator().manual_seed(1))
-            quality = digits_quality(classifier, samples, labels, holdout)
-            print(
-                f"{role.value:12s} {steps:5d} {quality['fid']:11.2f} {quality['accuracy']:9.3f}", flush=True
+
+
+def evaluate(plan: DistillationPlan, engine, computer, *, samples: int, out: Path):
+    """The quality rows of the teacher, the student and its EMA; returns (markdown table, rows)."""
+    adapter = computer.adapter
+    train_split, holdout = load_digits_splits(seed=0)
+    evaluation = DigitsEvaluation(
+        train_digits_classifier(train_split, seed=0), holdout, num_samples=samples, out_dir=out
+    )
+    cond = {"class_labels": evaluation.labels}
+    null = {
+        "class_labels": torch.full_like(
+            evaluation.labels, adapter.null_class(engine.module_for(Role.TEACHER))
+        )
+    }
+    guidance = plan.algorithm.teacher_guidance_scale
+    if plan.algorithm.cfg_form == "conditional_offset":
+        guidance += 1.0
+    rows = []
+    with engine.use_role(Role.TEACHER) as teacher:
+        for steps in TEACHER_STEPS:
+            images = euler_sample(
+                adapter, teacher, evaluation.noise, cond, steps, guidance=guidance, uncond=null
             )
-    dist.destroy_process_group()
+            rows.append(evaluation.row("teacher", "euler", steps, images))
+    student_steps = sorted({1, plan.algorithm.student_steps, *plan.validation.sampling_steps})
+    for role in (Role.STUDENT, Role.STUDENT_EMA):
+        with engine.use_role(role) as module:
+            for steps in student_steps:
+                schedule = (
+                    computer.schedule
+                    if steps == plan.algorithm.student_steps
+                    else even_schedule(steps, plan.algorithm.sigma_shift)
+                )
+                images = few_step_sample(
+                    adapter, module, evaluation.noise, cond, schedule, evaluation.renoise_generator()
+                )
+                rows.append(evaluation.row(role.value, "few-step", steps, images))
+    return format_table(rows), rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--out", type=Path, default=None, help="samples and table (default: the plan's trainer.output_dir)"
+    )
+    parser.add_argument(
+        "--cycles", type=int, default=None, help="student steps (default: the recipe's trainer.total_steps)"
+    )
+    parser.add_argument("--eval-samples", type=int, default=500, help="samples per table row")
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument("--port", type=int, default=29517, help="local port of the 1-rank gloo group")
+    parser.add_argument("overrides", nargs="*", help="dotted plan overrides, e.g. optim.student.lr=1e-4")
+    args = parser.parse_args(argv)
+    try:
+        plan = build_plan(args.overrides)
+    except PlanError as err:
+        parser.error(str(err))
+    cycles = plan.trainer.total_steps if args.cycles is None else args.cycles
+    args.out = Path(plan.trainer.output_dir) if args.out is None else args.out
+    if cycles < 1 or args.eval_samples < 10:
+        parser.error(f"--cycles {cycles} / --eval-samples {args.eval_samples}: need >= 1 and >= 10")
+    torch.set_num_threads(args.threads)
+    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
+    dist.init_process_group("gloo")
+    try:
+        adapter = get_adapter(plan.model.adapter)()
+        train_split, _ = load_digits_splits(seed=0)
+        try:  # user input (teacher path, pairs file) is checked here: one-line errors
+            engine = RoleEngine(plan, adapter)
+            computer = adapter.build_distribution_matching_computer(plan.model, plan, rank=0)
+            pairs = (
+                regression_pairs(plan, engine, adapter, train_split.labels)
+                if plan.algorithm.regression_weight
+                else None
+            )
+        except ValueError as err:
+            parser.error(str(err).splitlines()[0])
+        stream = DigitsConditionStream(
+            train_split.labels,
+            null_class=adapter.null_class(engine.module_for(Role.TEACHER)),
+            seed=plan.trainer.seed,
+            pairs=pairs,
+        )
+        started = time.perf_counter()
+        train(plan, engine, computer, stream, cycles)
+        trained = time.perf_counter() - started
+        table, _ = evaluate(plan, engine, computer, samples=args.eval_samples, out=args.out)
+    finally:
+        dist.destroy_process_group()
+    header = (
+        f"digits DMD2: {cycles} student steps (K={plan.algorithm.fake_update_ratio}) in {trained:.0f} s; "
+        f"{args.eval_samples} samples per row against the 360 held-out digits"
+    )
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "table.md").write_text(f"{header}\n\n{table}\n")
+    print(f"\n{header}\n\n{table}\n\nsamples and grids: {args.out / 'samples'}")
     return 0
 
 

@@ -5,13 +5,16 @@ Writes a diffusers model directory (config.json + diffusion_pytorch_model.safete
 that recipes load through `model.teacher.path`, and prints the teacher's digits
 quality at several Euler step counts:
 
-    python scripts/train_digits_teacher.py --out outputs/digits_teacher --steps 4000
+    python scripts/train_digits_teacher.py --out outputs/digits_teacher --steps 3000
+
+With those arguments it reproduces the teacher shipped as ``builtin:digits_teacher``
+(verl_dmd/assets/digits_teacher) byte for byte on the development machine; another
+CPU may differ in the last bits of floating-point reductions.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import sys
 import time
 from pathlib import Path
@@ -21,8 +24,11 @@ import torch
 from verl_dmd import losses
 from verl_dmd.adapters import get_adapter
 from verl_dmd.adapters.base import ModelSource
+from verl_dmd.adapters.diffusers_transformers import set_label_dropout
 from verl_dmd.data.digits import NUM_CLASSES, load_digits_splits
-from verl_dmd.eval.digits_classifier import digits_quality, train_digits_classifier
+from verl_dmd.eval.digits_classifier import train_digits_classifier
+from verl_dmd.eval.digits_report import TEACHER_STEPS, DigitsEvaluation
+from verl_dmd.eval.sampling import euler_sample
 
 TEACHER_CONFIG = {
     "sample_size": 8,
@@ -35,31 +41,16 @@ TEACHER_CONFIG = {
     "num_embeds_ada_norm": NUM_CLASSES,
     "norm_type": "ada_norm_zero",
 }
-
-
-@torch.no_grad()
-def euler_sample(
-    adapter, model, labels: torch.Tensor, steps: int, guidance: float, generator
-) -> torch.Tensor:
-    """Euler integration of the velocity field from sigma=1 (noise) to 0 with classifier-free guidance."""
-    x = torch.randn(labels.shape[0], 1, 8, 8, generator=generator)
-    null = torch.full_like(labels, adapter.null_class(model))
-    sigmas = torch.linspace(1.0, 0.0, steps + 1)
-    for sigma, next_sigma in itertools.pairwise(sigmas):
-        level = sigma.expand(labels.shape[0])
-        v_cond = adapter.predict(model, x, level, {"class_labels": labels})
-        velocity = v_cond
-        if guidance != 1.0:
-            v_uncond = adapter.predict(model, x, level, {"class_labels": null})
-            velocity = losses.classifier_free_guidance(v_uncond, v_cond, guidance)
-        x = x + (next_sigma - sigma) * velocity
-    return x
+TEACHER_LABEL_DROPOUT = 0.1
 
 
 def train(args) -> torch.nn.Module:
     torch.manual_seed(args.seed)
     adapter = get_adapter("dit")()
     model = adapter.build_model(ModelSource(config=TEACHER_CONFIG)).train()
+    # The adapter turns DiT's label dropout off; the teacher needs it to learn the unconditional
+    # (null-class) prediction that classifier-free guidance uses.
+    set_label_dropout(model, TEACHER_LABEL_DROPOUT)
     data, _ = load_digits_splits(seed=args.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     generator = torch.Generator().manual_seed(args.seed)
@@ -91,7 +82,7 @@ def train(args) -> torch.nn.Module:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--steps", type=int, default=4000)
+    parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
@@ -106,14 +97,19 @@ def main(argv=None) -> int:
 
     adapter = get_adapter("dit")()
     train_split, holdout = load_digits_splits(seed=args.seed)
-    classifier = train_digits_classifier(train_split, seed=args.seed)
-    labels = torch.arange(args.eval_samples) % NUM_CLASSES
+    evaluation = DigitsEvaluation(
+        train_digits_classifier(train_split, seed=args.seed), holdout, num_samples=args.eval_samples
+    )
+    cond = {"class_labels": evaluation.labels}
+    null = {"class_labels": torch.full_like(evaluation.labels, adapter.null_class(model))}
     print("guidance  steps  digits-FID  accuracy")
     for guidance in args.guidance:
-        for steps in (1, 2, 4, 8, 32):
-            samples = euler_sample(adapter, model, labels, steps, guidance, torch.Generator().manual_seed(1))
-            quality = digits_quality(classifier, samples, labels, holdout)
-            print(f"{guidance:8.1f} {steps:6d} {quality['fid']:11.2f} {quality['accuracy']:9.3f}", flush=True)
+        for steps in TEACHER_STEPS:
+            images = euler_sample(
+                adapter, model, evaluation.noise, cond, steps, guidance=guidance, uncond=null
+            )
+            row = evaluation.row("teacher", "euler", steps, images)
+            print(f"{guidance:8.1f} {steps:6d} {row.fid:11.2f} {row.accuracy:9.3f}", flush=True)
     return 0
 
 

@@ -15,6 +15,7 @@ from verl_dmd.runtime.runtime import DistillationRoleRuntime
 GUIDANCE = 3.0
 STUDENT_STEPS = 3
 PER_RANK = 4
+REGRESSION_WEIGHT = 0.5
 
 
 def dmd2_plan():
@@ -29,6 +30,8 @@ def dmd2_plan():
             "batch.fake_score.accumulation_steps": 1,
             "optim.student.lr": 1e-2,
             "optim.fake_score.lr": 1e-2,
+            "algorithm.regression_weight": REGRESSION_WEIGHT,
+            "data.regression_pairs_path": "pairs.safetensors",  # the batch below carries the pairs
         },
     )
 
@@ -39,6 +42,10 @@ def dmd2_batch(adapter, model, size: int, seed: int) -> dict[str, torch.Tensor]:
     batch = {"noise": torch.randn(x0.shape, generator=generator)}
     batch.update({f"cond.{k}": v for k, v in cond.items()})
     batch.update({f"uncond.{k}": torch.zeros_like(v) for k, v in cond.items()})
+    target, pair_cond = adapter.example_batch(model, size, generator)
+    batch["regression.noise"] = torch.randn(target.shape, generator=generator)
+    batch["regression.target"] = target
+    batch.update({f"regression.cond.{k}": v for k, v in pair_cond.items()})
     return batch
 
 

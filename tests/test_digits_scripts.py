@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -37,25 +38,51 @@ def test_train_digits_teacher_writes_a_loadable_model_and_its_table(tmp_path):
     get_adapter("dit")().build_model(ModelSource(path=str(tmp_path / "t")))
 
 
-def test_distill_digits_runs_dmd2_cycles_and_reports_quality(tmp_path):
-    """Two DMD2 cycles on a (random) teacher directory, then the student/EMA quality table."""
+def test_distill_digits_runs_dmd2_cycles_and_writes_the_table(tmp_path):
+    """Two DMD2 cycles on a (random) teacher, then the teacher/student/EMA table, samples and grids."""
     torch.manual_seed(0)
     adapter = get_adapter("dit")()
     teacher = adapter.build_model(ModelSource(config=adapter.tiny_config))
     teacher.save_pretrained(tmp_path / "teacher")
-    result = run("scripts/distill_digits.py", "--teacher", str(tmp_path / "teacher"), "--cycles", "2",
-                 "--eval-samples", "20", "algorithm.fake_warmup_steps=1")  # fmt: skip
+    out = tmp_path / "out"
+    result = run("scripts/distill_digits.py", "--cycles", "2", "--eval-samples", "20", "--out", str(out),
+                 f"model.teacher.path={tmp_path / 'teacher'}", "algorithm.fake_warmup_steps=1")  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    rows = table_rows(result.stdout, {"student", "student_ema"})
-    assert [(r[0], int(r[1])) for r in rows] == [
-        ("student", 1),
-        ("student", 4),
-        ("student_ema", 1),
-        ("student_ema", 4),
+    rows = [line.strip("|").split("|") for line in result.stdout.splitlines() if line.startswith("| ")]
+    keys = [(r[0].strip(), int(r[2])) for r in rows[1:]]
+    assert keys == [("teacher", s) for s in (1, 2, 4, 8, 32)] + [
+        (role, s) for role in ("student", "student_ema") for s in (1, 4)
     ]
+    assert all(float(r[3]) > 0 and 0 <= float(r[4]) <= 1 for r in rows[1:])
+    assert (out / "table.md").read_text().count("\n| ") == len(rows)
+    for model, steps in keys:
+        with np.load(out / "samples" / f"{model}_{steps}step.npz", allow_pickle=False) as data:
+            assert data["images"].shape == (20, 1, 8, 8) and data["labels"].tolist() == [
+                i % 10 for i in range(20)
+            ]
+        assert (out / "samples" / f"{model}_{steps}step.png").is_file()
 
 
-def test_distill_digits_needs_a_teacher_directory(tmp_path):
-    """A missing teacher is a one-line usage error, not a traceback."""
-    result = run("scripts/distill_digits.py", "--teacher", str(tmp_path / "none"))
-    assert result.returncode == 2 and "no config.json" in result.stderr and "Traceback" not in result.stderr
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("model.teacher.path=/no/such/teacher", "could not be loaded"),
+        ("model.teacher.path=builtin:nope", "no shipped model named 'nope'"),
+        ("algorithm.fake_update_ratio=0", "algorithm.fake_update_ratio"),
+    ],
+)
+def test_distill_digits_bad_input_is_one_line(tmp_path, override, message):
+    """A missing teacher or a bad key is a one-line usage error, not a traceback."""
+    result = run("scripts/distill_digits.py", "--out", str(tmp_path), override)
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_distill_digits_rejects_a_damaged_pairs_file(tmp_path):
+    bad = tmp_path / "pairs.safetensors"
+    bad.write_bytes(b"not a safetensors file")
+    result = run("scripts/distill_digits.py", "--out", str(tmp_path), "algorithm.regression_weight=1",
+                 f"data.regression_pairs_path={bad}")  # fmt: skip
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert (
+        "data.regression_pairs_path" in result.stderr and "not a readable safetensors file" in result.stderr
+    )

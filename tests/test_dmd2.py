@@ -14,7 +14,15 @@ import math
 import pytest
 import torch
 from dist_harness import run_ranks
-from dmd2_scenarios import GUIDANCE, PER_RANK, STUDENT_STEPS, dmd2_batch, dmd2_plan, probe_student_gradient
+from dmd2_scenarios import (
+    GUIDANCE,
+    PER_RANK,
+    REGRESSION_WEIGHT,
+    STUDENT_STEPS,
+    dmd2_batch,
+    dmd2_plan,
+    probe_student_gradient,
+)
 from peft import LoraConfig
 from runtime_scenarios import default_dtype
 
@@ -99,13 +107,20 @@ class Float64DMD2:
             weight = torch.stack([(x[i] - x0_real[i]).abs().mean() for i in range(b)]).clamp_min(1e-6)
             grad = (x0_fake - x0_real) / weight.view(-1, 1, 1, 1)
         loss = 0.5 * ((x - (x - grad).detach()) ** 2).mean()
+        # DMD v1 regression: the student's first step (sigma = 1, any shift fixes it) from the paired noise.
+        pair_noise = batch["regression.noise"].double()
+        pair_cond = {k[16:]: v.double() for k, v in batch.items() if k.startswith("regression.cond.")}
+        ones = torch.ones(b, dtype=torch.float64)
+        x_pair = pair_noise - self.velocity("student", pair_noise, ones, pair_cond)
+        regression = ((x_pair - batch["regression.target"].double()) ** 2).mean()
+        loss = loss + REGRESSION_WEIGHT * regression
         grads = torch.autograd.grad(loss, list(self.student_params.values()))
-        return exit_index, dict(zip(self.student_params, grads, strict=True))
+        return exit_index, regression.item(), dict(zip(self.student_params, grads, strict=True))
 
 
 def test_student_gradient_matches_float64_reference(probed):
-    """The reduced student gradient of a guided, 3-step, backward-simulated DMD2 phase on 2
-    ranks equals the rank-averaged float64 reference gradient (relative error < 1e-4)."""
+    """The reduced student gradient of a guided, 3-step, backward-simulated DMD2 phase with the
+    regression term on 2 ranks equals the rank-averaged float64 reference gradient (rel. error < 1e-4)."""
     rank0, rank1 = probed
     # Built in float32 (the ranks' init and draws), then converted: float64 from here on.
     reference = Float64DMD2(rank0["weights"])
@@ -115,9 +130,10 @@ def test_student_gradient_matches_float64_reference(probed):
         exits = []
         for rank, result in enumerate((rank0, rank1)):
             part = {k: v.float().chunk(WORLD_SIZE)[rank] for k, v in probe.items()}
-            exit_index, grads = reference.rank_gradient(part, result["state"])
+            exit_index, regression, grads = reference.rank_gradient(part, result["state"])
             exits.append(exit_index)
             per_rank.append(grads)
+            assert result["metrics"]["regression_loss"] == pytest.approx(regression, rel=1e-5)
     assert exits[0] == exits[1] == rank0["metrics"]["exit_index"] == rank1["metrics"]["exit_index"]
     checked = 0
     for name, g0 in per_rank[0].items():
@@ -167,12 +183,11 @@ def test_backward_simulation_runs_grad_only_at_the_exit(exit_index):
 
 
 def test_unsupported_options_fail_at_construction():
-    """GAN, regression and multi-step without backward simulation are refused with the key named."""
+    """The GAN terms and multi-step without backward simulation are refused with the key named."""
     plan = dmd2_plan()
     base = plan.algorithm.__dict__
     cases = {
         "algorithm.gan_discriminator_weight": {"gan_discriminator_weight": 0.01},
-        "algorithm.regression_weight": {"regression_weight": 0.5},
         "algorithm.backward_simulation": {"backward_simulation": False},
     }
     for key, change in cases.items():
@@ -191,3 +206,23 @@ def test_state_dict_round_trip_reproduces_draws():
     second = DMD2Computer(_RecordingAdapter(), plan.algorithm, seed=99, rank=0)
     second.load_state_dict(state)
     assert [second.exit_index() for _ in range(10)] == expected
+
+
+def test_regression_term_needs_paired_data_in_the_batch():
+    """regression_weight > 0 with a provider that sends no pairs is a one-line error naming the keys."""
+    plan = dmd2_plan()
+    computer = DMD2Computer(_RecordingAdapter(), plan.algorithm, seed=0, rank=0)
+    with pytest.raises(
+        ValueError, match=r"no regression\.noise, regression\.target; fix: .*regression_pairs"
+    ):
+        computer._regression_loss({"noise": torch.zeros(2, 3)}, None)
+
+
+def test_adapter_builds_the_dmd2_computer_for_its_family():
+    """`build_distribution_matching_computer(model_config, plan)` gives the plan's DMD2 computer."""
+    plan = dmd2_plan()
+    adapter = get_adapter("sd3")()
+    computer = adapter.build_distribution_matching_computer(plan.model, plan, rank=1)
+    assert isinstance(computer, DMD2Computer)
+    assert computer.adapter is adapter and computer.algorithm is plan.algorithm and computer.rank == 1
+    assert computer.seed == plan.trainer.seed

@@ -1,4 +1,4 @@
-"""A built wheel (not the editable checkout) carries the config tree and recipes."""
+"""A built wheel (not the editable checkout) carries the config tree, the recipes and the assets."""
 
 from __future__ import annotations
 
@@ -41,15 +41,18 @@ def run_installed(site: Path, cwd: Path, *args: str) -> subprocess.CompletedProc
 
 
 def test_wheel_holds_config_and_recipes(installed_wheel, tmp_path):
-    """The installed package finds dmd2.yaml and the digits recipe inside itself."""
+    """The installed package finds dmd2.yaml, the digits recipe and the shipped teacher inside itself."""
     code = (
         "import verl_dmd; from verl_dmd import config_dir, recipes_dir; "
-        "print(verl_dmd.__file__); print(config_dir() / 'dmd2.yaml'); print(recipes_dir() / 'digits_dmd2.yaml')"
+        "from verl_dmd.assets import resolve_model_path as r; from pathlib import Path; "
+        "print(verl_dmd.__file__); print(config_dir() / 'dmd2.yaml'); print(recipes_dir() / 'digits_dmd2.yaml'); "
+        "print(Path(r('builtin:digits_teacher')) / 'diffusion_pytorch_model.safetensors')"
     )
     result = run_installed(installed_wheel, tmp_path, "-c", code)
     assert result.returncode == 0, result.stderr
-    module, base, recipe = (Path(line) for line in result.stdout.split())
-    for path in (module, base, recipe):
+    module, base, recipe, teacher = (Path(line) for line in result.stdout.split())
+    assert teacher.read_bytes() == (ROOT / "verl_dmd/assets/digits_teacher" / teacher.name).read_bytes()
+    for path in (module, base, recipe, teacher):
         assert path.is_relative_to(installed_wheel), path
         assert path.is_file(), path
 

@@ -42,7 +42,8 @@ class DistributionMatchingModelAdapter:
 
     Subclasses set `model_class` (a diffusers `ModelMixin` with peft support),
     `default_lora_targets`, and implement `fsdp_units`, `predict` and
-    `example_batch`. `parameterization` says what `predict` returns; the
+    `example_batch`; they may override `build_model` and
+    `build_distribution_matching_computer`. `parameterization` says what `predict` returns; the
     losses convert it to x0 through `verl_dmd.losses`.
     """
 
@@ -60,11 +61,14 @@ class DistributionMatchingModelAdapter:
         every rank so that all ranks hold the same weights.
         """
         if source.path is not None:
+            from verl_dmd.assets import resolve_model_path
+
+            path = resolve_model_path(source.path)
             kwargs = {"local_files_only": True, "torch_dtype": torch.float32}
             if source.subfolder:
                 kwargs["subfolder"] = source.subfolder
             try:
-                model = self.model_class.from_pretrained(source.path, **kwargs)
+                model = self.model_class.from_pretrained(path, **kwargs)
             except (OSError, ValueError) as err:
                 first = str(err).splitlines()[0] if str(err) else type(err).__name__
                 raise ValueError(
@@ -82,6 +86,22 @@ class DistributionMatchingModelAdapter:
         else:
             raise ValueError("model source has neither a path nor a config")
         return model
+
+    def build_distribution_matching_computer(self, model_config: Any, plan: Any, *, rank: int = 0):
+        """The phase computer for this family and `plan.algorithm` (DMD2 unless a subclass says otherwise).
+
+        `model_config` is the plan's model spec (`plan.model`), for families whose
+        computer depends on it; the computer's random streams are seeded from
+        `plan.trainer.seed` and `rank`.
+        """
+        if plan.algorithm.name != "dmd2":
+            raise ValueError(
+                f"config key 'algorithm.name' = {plan.algorithm.name!r}: adapter {self.name!r} builds only "
+                "'dmd2'; fix: set algorithm.name=dmd2"
+            )
+        from verl_dmd.algorithms.dmd2 import DMD2Computer
+
+        return DMD2Computer(self, plan.algorithm, seed=plan.trainer.seed, rank=rank)
 
     def fsdp_units(self, model: nn.Module) -> Sequence[nn.Module]:
         """The submodules sharded as their own FSDP2 units (usually the transformer blocks)."""

@@ -20,7 +20,7 @@ from diffusers import (
 )
 from torch import nn
 
-from verl_dmd.adapters.base import DistributionMatchingModelAdapter
+from verl_dmd.adapters.base import DistributionMatchingModelAdapter, ModelSource
 from verl_dmd.adapters.registry import register_adapter
 
 
@@ -142,6 +142,17 @@ class WanAdapter(DistributionMatchingModelAdapter):
         return x0, cond
 
 
+def set_label_dropout(model: nn.Module, probability: float) -> None:
+    """Set the label-dropout probability of every label embedder of a DiT (each block has its own)."""
+    from diffusers.models.embeddings import LabelEmbedding
+
+    embedders = [m for m in model.modules() if isinstance(m, LabelEmbedding)]
+    if not embedders:
+        raise ValueError(f"{type(model).__name__} has no label embedder: not a class-conditional DiT")
+    for embedder in embedders:
+        embedder.dropout_prob = probability
+
+
 @register_adapter("dit")
 class DiTAdapter(DistributionMatchingModelAdapter):
     """Class-conditional DiT trained as a flow-matching velocity model: latents (B, C, H, W),
@@ -155,6 +166,19 @@ class DiTAdapter(DistributionMatchingModelAdapter):
         "num_attention_heads": 2, "attention_head_dim": 8, "num_embeds_ada_norm": 10,
         "norm_type": "ada_norm_zero",
     }  # fmt: skip
+
+    def build_model(self, source: ModelSource) -> nn.Module:
+        """As the base, with DiT's label dropout off: distillation conditions every forward explicitly.
+
+        diffusers' DiT drops 10% of class labels to the null class in train mode, drawing
+        from torch's global RNG. In a distillation that would give a trainable role
+        unconditional inputs it never asked for and make training depend on the global
+        RNG; a script that trains a DiT teacher for CFG re-enables it (see
+        scripts/train_digits_teacher.py).
+        """
+        model = super().build_model(source)
+        set_label_dropout(model, 0.0)
+        return model
 
     def fsdp_units(self, model: nn.Module) -> Sequence[nn.Module]:
         # DiT's forward reads transformer_blocks[0].norm1.emb outside block 0; a block sharded as

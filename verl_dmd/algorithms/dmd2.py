@@ -7,6 +7,10 @@ Batch contract (per rank, split into micro-batches by the runtime):
   makes it, so it can be a pure function of the sample's position (resumable).
 - ``cond.<name>``: conditioning tensors passed to the model adapter.
 - ``uncond.<name>``: the unconditional inputs, required when teacher guidance is on.
+- ``regression.noise``, ``regression.target``, ``regression.cond.<name>``: paired
+  (noise, teacher sample, conditioning) data, required when ``regression_weight > 0``;
+  the student's *first* step from that noise is regressed onto the target (MSE), so a
+  multi-step student's 1-step output is what the term shapes.
 
 Randomness drawn here, in this order per micro-batch, from generators whose state
 is in `state_dict()`:
@@ -29,7 +33,7 @@ from verl_dmd.adapters.base import DistributionMatchingModelAdapter
 from verl_dmd.phases import PhaseOutput, PhaseRequest, Role
 from verl_dmd.plan import AlgorithmSpec
 
-COND, UNCOND = "cond.", "uncond."
+COND, UNCOND, REGRESSION = "cond.", "uncond.", "regression."
 
 
 def _prefixed(batch: Mapping[str, Any], prefix: str) -> dict[str, Any]:
@@ -50,7 +54,6 @@ class DMD2Computer:
         unsupported = [
             ("algorithm.gan_generator_weight", algorithm.gan_generator_weight > 0),
             ("algorithm.gan_discriminator_weight", algorithm.gan_discriminator_weight > 0),
-            ("algorithm.regression_weight", algorithm.regression_weight > 0),
             (
                 "algorithm.backward_simulation",
                 algorithm.student_steps > 1 and not algorithm.backward_simulation,
@@ -60,8 +63,8 @@ class DMD2Computer:
             if hit:
                 raise ValueError(
                     f"config key '{key}' = {getattr(algorithm, key.split('.')[1])!r}: not supported by this "
-                    "version's DMD2 computer (GAN head, regression term and multi-step training on real "
-                    "data are not built yet); fix: leave it at its default"
+                    "version's DMD2 computer (the GAN head and multi-step training on real data are not "
+                    "built); fix: leave it at its default"
                 )
         self.adapter = adapter
         self.algorithm = algorithm
@@ -147,7 +150,24 @@ class DMD2Computer:
             "dmd_normalizer": dmd.normalizer.mean(),
             "exit_index": float(exit_index),
         }
+        if alg.regression_weight > 0:
+            regression = self._regression_loss(batch, runtime.engine.module_for(Role.STUDENT))
+            metrics["regression_loss"] = regression.detach()
+            loss = loss + alg.regression_weight * regression
         return PhaseOutput(loss=loss, metrics=metrics)
+
+    def _regression_loss(self, batch, student) -> torch.Tensor:
+        """DMD v1's term: the student's first-step x0 from paired noise against the teacher's sample."""
+        pairs = _prefixed(batch, REGRESSION)
+        missing = [k for k in ("noise", "target") if k not in pairs]
+        if missing:
+            raise ValueError(
+                f"algorithm.regression_weight = {self.algorithm.regression_weight} needs paired data, but the "
+                f"batch has no {', '.join(REGRESSION + k for k in missing)}; fix: give the data provider "
+                "data.regression_pairs_path, or set algorithm.regression_weight=0"
+            )
+        x = self.student_sample(student, pairs["noise"], _prefixed(pairs, COND), exit_index=0, grad=True)
+        return losses.regression_loss(x, pairs["target"])
 
     def _fake_score_phase(self, batch, runtime) -> PhaseOutput:
         alg = self.algorithm

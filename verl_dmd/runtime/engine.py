@@ -361,10 +361,10 @@ class RoleEngine:
         elif role is not self._active and Role.STUDENT_EMA in (role, self._active):
             self._swap_ema()
         self._active = role
+        training = self.module_for(role) if role is not None and role is self._trainable else None
         for model in self.models.values():
-            model.eval()
-        if role is not None and role is self._trainable:
-            self.module_for(role).train()
+            if model.training != (model is training):  # module.train() walks every submodule: only on change
+                model.train(model is training)
         self._apply_trainable()
 
     def _switch_adapter(self, role: Role | None) -> None:

@@ -1,0 +1,87 @@
+"""The digits quality table: teacher at several Euler step counts next to the distilled roles.
+
+Every row samples the same labels (``i mod 10``) from the same starting noise,
+writes the samples to ``<out>/samples/<name>.npz`` and ``<name>.png`` (one class per
+column), and scores them with `digits_quality` against the held-out split.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from verl_dmd.data.digits import IMAGE_SHAPE, NUM_CLASSES, DigitsSplit
+from verl_dmd.eval.digits_classifier import DigitsClassifier, digits_quality
+from verl_dmd.eval.sampling import save_grid, save_samples
+
+TEACHER_STEPS = (1, 2, 4, 8, 32)
+
+
+@dataclass(frozen=True)
+class QualityRow:
+    model: str
+    """teacher, student or student_ema."""
+    sampler: str
+    """euler (the teacher's ODE) or few-step (x0 prediction, re-noise)."""
+    steps: int
+    fid: float
+    accuracy: float
+    samples: Path | None = None
+
+
+@dataclass
+class DigitsEvaluation:
+    """Fixed labels and noise, the classifier and the reference split, shared by every row."""
+
+    classifier: DigitsClassifier
+    holdout: DigitsSplit
+    num_samples: int = 500
+    seed: int = 1
+    out_dir: Path | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_samples < NUM_CLASSES:
+            raise ValueError(f"num_samples = {self.num_samples}: need at least one sample per class (10)")
+        self.labels = torch.arange(self.num_samples) % NUM_CLASSES
+        self.noise = torch.randn(
+            self.num_samples, *IMAGE_SHAPE, generator=torch.Generator().manual_seed(self.seed)
+        )
+
+    def renoise_generator(self) -> torch.Generator:
+        """Fresh noise for few-step samplers, the same stream for every row."""
+        return torch.Generator().manual_seed(self.seed + 1)
+
+    def row(self, model: str, sampler: str, steps: int, images: torch.Tensor) -> QualityRow:
+        """Score `images` (sampled for `self.labels` from `self.noise`) and, with `out_dir`, save them."""
+        if images.shape != self.noise.shape:
+            raise ValueError(
+                f"{model} produced samples of shape {tuple(images.shape)}, not {self.noise.shape}"
+            )
+        quality = digits_quality(self.classifier, images, self.labels, self.holdout)
+        path = None
+        if self.out_dir is not None:
+            name = f"{model}_{steps}step"
+            path = save_samples(
+                self.out_dir / "samples" / f"{name}.npz",
+                images,
+                self.labels,
+                steps=steps,
+                fid=quality["fid"],
+                accuracy=quality["accuracy"],
+            )
+            # labels are i mod 10, so rows of 10 put one class in each column
+            save_grid(path.with_suffix(".png"), images[: NUM_CLASSES * 10], nrow=NUM_CLASSES)
+        return QualityRow(model, sampler, steps, quality["fid"], quality["accuracy"], path)
+
+
+def format_table(rows: Iterable[QualityRow]) -> str:
+    """A markdown table of the rows, in order."""
+    lines = [
+        "| model | sampler | steps | digits-FID | class accuracy |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [f"| {r.model} | {r.sampler} | {r.steps} | {r.fid:.2f} | {r.accuracy:.3f} |" for r in rows]
+    return "\n".join(lines)
