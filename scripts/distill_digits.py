@@ -4,23 +4,27 @@ The embedded default end to end without ray: the digits recipe (plus dotted
 overrides) becomes a plan; the controller, the role runtime, the DMD2 computer
 and the digits condition stream train the student; then the teacher (Euler, 1 to
 32 steps) and the student and its EMA (1 step and the recipe's step count) are
-sampled from the same noise, scored, and written to ``--out``:
+sampled from the same noise, scored, and written to the output directory:
 
-    python scripts/distill_digits.py --out outputs/digits_dmd2
+    python scripts/distill_digits.py [trainer.output_dir=outputs/digits_dmd2] [other.dotted=overrides]
 
-``<out>/table.md`` holds the table, ``<out>/samples/`` one .npz and one PNG grid
-per row (one class per column). The ray trainer (the README's main command) runs
+``<trainer.output_dir>/table.md`` holds the table, ``<trainer.output_dir>/samples/``
+one .npz and one PNG grid per row (one class per column); the recipe keeps the
+regression pairs there too. The ray trainer (a later issue) will run
 the same recipe on a worker group.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import os
 import sys
 import time
 from pathlib import Path
 
+import safetensors
 import safetensors.torch
 import torch
 import torch.distributed as dist
@@ -28,6 +32,8 @@ from omegaconf import OmegaConf
 
 from verl_dmd import config_dir, recipes_dir
 from verl_dmd.adapters import get_adapter
+from verl_dmd.adapters.base import plain
+from verl_dmd.assets import resolve_model_path
 from verl_dmd.controller import DistillationController
 from verl_dmd.data.digits import DigitsConditionStream, check_pairs, load_digits_splits, teacher_pairs
 from verl_dmd.eval.digits_classifier import train_digits_classifier
@@ -51,32 +57,60 @@ def build_plan(overrides: list[str]) -> DistillationPlan:
     return DistillationPlan.from_config(config)
 
 
+def teacher_digest(plan: DistillationPlan) -> str:
+    """SHA-256 over the teacher's weight files (what the pairs depend on), or its config when built from one."""
+    source = plan.model.teacher
+    if source.path is None:
+        return (
+            "config:" + hashlib.sha256(json.dumps(plain(source.config), sort_keys=True).encode()).hexdigest()
+        )
+    folder = Path(resolve_model_path(source.path)) / (source.subfolder or "")
+    digest = hashlib.sha256()
+    for file in sorted(folder.glob("*.safetensors")):
+        digest.update(file.name.encode())
+        digest.update(file.read_bytes())
+    return digest.hexdigest()
+
+
 def regression_pairs(
     plan: DistillationPlan, engine, adapter, labels: torch.Tensor
 ) -> dict[str, torch.Tensor]:
     """The regression term's (noise, teacher sample) pairs: read from data.regression_pairs_path, or made
-    there by the teacher (32 Euler steps, one pair per training label) when the file does not exist yet."""
+    there by the teacher (32 Euler steps, one pair per training label) when the file does not exist yet.
+
+    A file this script made records the teacher's digest, the step count and the seed; reading one made
+    for another teacher or seed is an error (delete it and it is made again)."""
     path = Path(plan.data.regression_pairs_path)
+    expected = {
+        "teacher_sha256": teacher_digest(plan),
+        "euler_steps": str(PAIR_STEPS),
+        "seed": str(plan.trainer.seed),
+    }
     if path.is_file():
         try:
+            with safetensors.safe_open(path, framework="pt") as handle:
+                metadata = handle.metadata() or {}
             pairs = safetensors.torch.load_file(path)
         except Exception as err:  # safetensors raises several types for a damaged file
             raise ValueError(
                 f"data.regression_pairs_path = {str(path)!r}: not a readable safetensors file ({err}); "
                 "fix: delete it to regenerate, or point the key at a digits pairs file"
             ) from None
+        for key, want in expected.items():
+            if key in metadata and metadata[key] != want:
+                raise ValueError(
+                    f"data.regression_pairs_path = {str(path)!r} was made with {key} = {metadata[key]!r}, this "
+                    f"run has {want!r}; fix: delete the file to regenerate it, or use another path"
+                )
         print(f"regression pairs: {path} ({pairs['noise'].shape[0] if 'noise' in pairs else 0} pairs)")
         return check_pairs(pairs, repr(str(path)))
     started = time.perf_counter()
     with engine.use_role(Role.TEACHER) as teacher:
         pairs = teacher_pairs(adapter, teacher, labels, seed=plan.trainer.seed + 7919, steps=PAIR_STEPS)
     path.parent.mkdir(parents=True, exist_ok=True)
-    metadata = {
-        "teacher": str(plan.model.teacher.path),
-        "euler_steps": str(PAIR_STEPS),
-        "seed": str(plan.trainer.seed),
-    }
-    safetensors.torch.save_file(pairs, path, metadata=metadata)
+    staging = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    safetensors.torch.save_file(pairs, staging, metadata=expected)
+    os.replace(staging, path)  # readers never see a half-written file
     print(
         f"regression pairs: {len(labels)} teacher samples ({PAIR_STEPS} Euler steps) in "
         f"{time.perf_counter() - started:.1f} s, saved to {path}"
@@ -160,9 +194,6 @@ def evaluate(plan: DistillationPlan, engine, computer, *, samples: int, out: Pat
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--out", type=Path, default=None, help="samples and table (default: the plan's trainer.output_dir)"
-    )
-    parser.add_argument(
         "--cycles", type=int, default=None, help="student steps (default: the recipe's trainer.total_steps)"
     )
     parser.add_argument("--eval-samples", type=int, default=500, help="samples per table row")
@@ -175,7 +206,7 @@ def main(argv=None) -> int:
     except PlanError as err:
         parser.error(str(err))
     cycles = plan.trainer.total_steps if args.cycles is None else args.cycles
-    args.out = Path(plan.trainer.output_dir) if args.out is None else args.out
+    args.out = Path(plan.trainer.output_dir)
     if cycles < 1 or args.eval_samples < 10:
         parser.error(f"--cycles {cycles} / --eval-samples {args.eval_samples}: need >= 1 and >= 10")
     torch.set_num_threads(args.threads)

@@ -45,7 +45,7 @@ def test_distill_digits_runs_dmd2_cycles_and_writes_the_table(tmp_path):
     teacher = adapter.build_model(ModelSource(config=adapter.tiny_config))
     teacher.save_pretrained(tmp_path / "teacher")
     out = tmp_path / "out"
-    result = run("scripts/distill_digits.py", "--cycles", "2", "--eval-samples", "20", "--out", str(out),
+    result = run("scripts/distill_digits.py", "--cycles", "2", "--eval-samples", "20", f"trainer.output_dir={out}",
                  f"model.teacher.path={tmp_path / 'teacher'}", "algorithm.fake_warmup_steps=1")  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [line.strip("|").split("|") for line in result.stdout.splitlines() if line.startswith("| ")]
@@ -73,16 +73,30 @@ def test_distill_digits_runs_dmd2_cycles_and_writes_the_table(tmp_path):
 )
 def test_distill_digits_bad_input_is_one_line(tmp_path, override, message):
     """A missing teacher or a bad key is a one-line usage error, not a traceback."""
-    result = run("scripts/distill_digits.py", "--out", str(tmp_path), override)
+    result = run("scripts/distill_digits.py", f"trainer.output_dir={tmp_path}", override)
     assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
 
 
 def test_distill_digits_rejects_a_damaged_pairs_file(tmp_path):
     bad = tmp_path / "pairs.safetensors"
     bad.write_bytes(b"not a safetensors file")
-    result = run("scripts/distill_digits.py", "--out", str(tmp_path), "algorithm.regression_weight=1",
+    result = run("scripts/distill_digits.py", f"trainer.output_dir={tmp_path}", "algorithm.regression_weight=1",
                  f"data.regression_pairs_path={bad}")  # fmt: skip
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert (
         "data.regression_pairs_path" in result.stderr and "not a readable safetensors file" in result.stderr
     )
+
+
+def test_distill_digits_rejects_pairs_made_for_another_teacher(tmp_path):
+    """A pairs file records the teacher it was made with; another teacher's file is not used."""
+    import safetensors.torch
+
+    pairs = {"noise": torch.zeros(3, 1, 8, 8), "target": torch.zeros(3, 1, 8, 8),
+             "cond.class_labels": torch.zeros(3, dtype=torch.int64)}  # fmt: skip
+    path = tmp_path / "pairs.safetensors"
+    safetensors.torch.save_file(pairs, path, metadata={"teacher_sha256": "0" * 64})
+    result = run("scripts/distill_digits.py", f"trainer.output_dir={tmp_path}", "algorithm.regression_weight=1",
+                 f"data.regression_pairs_path={path}")  # fmt: skip
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "teacher_sha256 = '0000" in result.stderr and "delete the file to regenerate" in result.stderr

@@ -42,8 +42,8 @@ def test_default_recipe_prints_plan_and_schedule(tmp_path):
     fingerprint = next(line for line in out.splitlines() if line.startswith("plan fingerprint: "))
     assert len(fingerprint.split(": ")[1]) == 64
     schedule = next(line for line in out.splitlines() if line.startswith("first 16 phases"))
-    assert schedule.split(": ", 1)[1].split() == expected_schedule(2, 10, 16)
-    assert "not implemented yet" in out  # the demo says plainly that it does not train
+    assert schedule.split(": ", 1)[1].split() == expected_schedule(4, 10, 16)
+    assert "not implemented yet" in out  # it says plainly that it does not train through ray
 
 
 def test_override_changes_the_schedule(tmp_path):

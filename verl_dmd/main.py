@@ -64,8 +64,9 @@ def run(cfg: Any) -> int:
         return 2
     print(describe(plan))
     print(
-        "verl-dmd: training is not implemented yet (role runtime, DMD2 computer and ray trainer are "
-        "open issues); this run validated the plan and printed its schedule.",
+        "verl-dmd: training through ray is not implemented yet (the ray trainer is an open issue); this "
+        "run validated the plan and printed its schedule. The digits recipe trains without ray: "
+        "python scripts/distill_digits.py",
         flush=True,
     )
     return 0

