@@ -198,7 +198,6 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--eval-samples", type=int, default=500, help="samples per table row")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
-    parser.add_argument("--port", type=int, default=29517, help="local port of the 1-rank gloo group")
     parser.add_argument("overrides", nargs="*", help="dotted plan overrides, e.g. optim.student.lr=1e-4")
     args = parser.parse_args(argv)
     try:
@@ -210,8 +209,8 @@ def main(argv=None) -> int:
     if cycles < 1 or args.eval_samples < 10:
         parser.error(f"--cycles {cycles} / --eval-samples {args.eval_samples}: need >= 1 and >= 10")
     torch.set_num_threads(args.threads)
-    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
-    dist.init_process_group("gloo")
+    # A 1-rank group on an in-process store: no port, so concurrent runs never collide.
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         adapter = get_adapter(plan.model.adapter)()
         train_split, _ = load_digits_splits(seed=0)
@@ -230,6 +229,7 @@ def main(argv=None) -> int:
             null_class=adapter.null_class(engine.module_for(Role.TEACHER)),
             seed=plan.trainer.seed,
             pairs=pairs,
+            real=train_split if plan.algorithm.gan_discriminator_weight > 0 else None,
         )
         started = time.perf_counter()
         train(plan, engine, computer, stream, cycles)

@@ -16,6 +16,7 @@ GUIDANCE = 3.0
 STUDENT_STEPS = 3
 PER_RANK = 4
 REGRESSION_WEIGHT = 0.5
+GAN_GENERATOR_WEIGHT = 0.7  # large, so that a wrong GAN gradient cannot hide under the DMD term
 
 
 def dmd2_plan():
@@ -31,6 +32,8 @@ def dmd2_plan():
             "optim.student.lr": 1e-2,
             "optim.fake_score.lr": 1e-2,
             "algorithm.regression_weight": REGRESSION_WEIGHT,
+            "algorithm.gan_generator_weight": GAN_GENERATOR_WEIGHT,
+            "algorithm.gan_discriminator_weight": 0.5,
             "data.regression_pairs_path": "pairs.safetensors",  # the batch below carries the pairs
         },
     )
@@ -46,6 +49,9 @@ def dmd2_batch(adapter, model, size: int, seed: int) -> dict[str, torch.Tensor]:
     batch["regression.noise"] = torch.randn(target.shape, generator=generator)
     batch["regression.target"] = target
     batch.update({f"regression.cond.{k}": v for k, v in pair_cond.items()})
+    real, real_cond = adapter.example_batch(model, size, generator)
+    batch["real.x0"] = real
+    batch.update({f"real.cond.{k}": v for k, v in real_cond.items()})
     return batch
 
 
@@ -58,6 +64,8 @@ def probe_student_gradient(rank: int, world_size: int) -> dict:
     controller = DistillationController(
         fake_update_ratio=plan.algorithm.fake_update_ratio, fake_warmup_steps=1
     )
+    head = {n: full(p).detach().clone() for n, p in engine.gan_head.named_parameters()}
+    head_moves, phase_metrics = [], []
     for phase in range(4):  # fake (warmup), student, fake, fake: every role has moved
         role = controller.next_phase()
         step = controller.student_steps if role is Role.STUDENT else controller.fake_steps
@@ -68,6 +76,10 @@ def probe_student_gradient(rank: int, world_size: int) -> dict:
         metrics = runtime.run_phase(request, local_part(batch, rank, world_size))
         assert metrics["stepped"], metrics
         controller.record(role, stepped=True)
+        now = {n: full(p).detach().clone() for n, p in engine.gan_head.named_parameters()}
+        head_moves.append((role.value, any(not torch.equal(now[n], head[n]) for n in now)))
+        head = now
+        phase_metrics.append(metrics)
     weights = {
         f"{role.value}:{strip_model_prefix(engine.param_names[id(p)])}": full(p).detach().clone()
         for role in (Role.STUDENT, Role.FAKE_SCORE)
@@ -93,4 +105,11 @@ def probe_student_gradient(rank: int, world_size: int) -> dict:
         "grads": grads,
         "exits": exits,
         "metrics": dict(output.metrics),
+        "head_moves": head_moves,
+        "phase_metrics": phase_metrics,
+        "head_role": [
+            role.value
+            for role in Role
+            if any(p is q for p in engine.gan_head.parameters() for q in engine.params.get(role, []))
+        ],
     }

@@ -38,15 +38,18 @@ def test_train_digits_teacher_writes_a_loadable_model_and_its_table(tmp_path):
     get_adapter("dit")().build_model(ModelSource(path=str(tmp_path / "t")))
 
 
-def test_distill_digits_runs_dmd2_cycles_and_writes_the_table(tmp_path):
-    """Two DMD2 cycles on a (random) teacher, then the teacher/student/EMA table, samples and grids."""
+@pytest.mark.parametrize("gan", [False, True], ids=["recipe", "recipe+gan"])
+def test_distill_digits_runs_dmd2_cycles_and_writes_the_table(tmp_path, gan):
+    """Two DMD2 cycles of the recipe (optionally with the GAN terms on real digits) on a (random)
+    teacher, then the teacher/student/EMA table, samples and grids."""
     torch.manual_seed(0)
     adapter = get_adapter("dit")()
     teacher = adapter.build_model(ModelSource(config=adapter.tiny_config))
     teacher.save_pretrained(tmp_path / "teacher")
     out = tmp_path / "out"
     result = run("scripts/distill_digits.py", "--cycles", "2", "--eval-samples", "20", f"trainer.output_dir={out}",
-                 f"model.teacher.path={tmp_path / 'teacher'}", "algorithm.fake_warmup_steps=1")  # fmt: skip
+                 f"model.teacher.path={tmp_path / 'teacher'}", "algorithm.fake_warmup_steps=1",
+                 *(["algorithm.gan_generator_weight=0.003", "algorithm.gan_discriminator_weight=0.01"] if gan else []))  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [line.strip("|").split("|") for line in result.stdout.splitlines() if line.startswith("| ")]
     keys = [(r[0].strip(), int(r[2])) for r in rows[1:]]

@@ -15,6 +15,7 @@ import pytest
 import torch
 from dist_harness import run_ranks
 from dmd2_scenarios import (
+    GAN_GENERATOR_WEIGHT,
     GUIDANCE,
     PER_RANK,
     REGRESSION_WEIGHT,
@@ -54,6 +55,13 @@ class Float64DMD2:
         for name in ("student", "fake_score", "student_ema"):
             config = LoraConfig(r=4, lora_alpha=4, target_modules=list(self.adapter.default_lora_targets))
             model.add_adapter(config, adapter_name=name)
+        # The GAN head, written out here (mean over tokens, LayerNorm, Linear-SiLU-Linear); the ranks'
+        # trained weights are loaded into it below by name.
+        dim = model.config.num_attention_heads * model.config.attention_head_dim
+        head = torch.nn.Module()
+        head.norm = torch.nn.LayerNorm(dim)
+        head.mlp = torch.nn.Sequential(torch.nn.Linear(dim, dim), torch.nn.SiLU(), torch.nn.Linear(dim, 1))
+        model.add_module("dmd_gan_head", head)
         params = dict(model.named_parameters())
         with torch.no_grad():
             for key, value in weights.items():
@@ -70,6 +78,19 @@ class Float64DMD2:
         for p in self.student_params.values():
             p.requires_grad_(True)
         return self.adapter.predict(self.model, x_t, sigma, cond)
+
+    def gan_logits(self, x_t, sigma, cond):
+        """D(x_t): the head on the last transformer block's image tokens, fake-score adapter on."""
+        tokens = []
+        hook = self.model.transformer_blocks[-1].register_forward_hook(
+            lambda m, a, out: tokens.append(out[1])
+        )
+        try:
+            self.velocity("fake_score", x_t, sigma, cond)
+        finally:
+            hook.remove()
+        head = self.model.dmd_gan_head
+        return head.mlp(head.norm(tokens[0].mean(dim=1)))
 
     def rank_gradient(self, batch, state):
         alg = self.plan.algorithm
@@ -107,6 +128,9 @@ class Float64DMD2:
             weight = torch.stack([(x[i] - x0_real[i]).abs().mean() for i in range(b)]).clamp_min(1e-6)
             grad = (x0_fake - x0_real) / weight.view(-1, 1, 1, 1)
         loss = 0.5 * ((x - (x - grad).detach()) ** 2).mean()
+        # GAN generator term at the same noise level and eps, gradient into x through the fake score.
+        logits = self.gan_logits((1 - s4) * x + s4 * eps, sigma, cond)
+        loss = loss + GAN_GENERATOR_WEIGHT * torch.nn.functional.softplus(-logits).mean()
         # DMD v1 regression: the student's first step (sigma = 1, any shift fixes it) from the paired noise.
         pair_noise = batch["regression.noise"].double()
         pair_cond = {k[16:]: v.double() for k, v in batch.items() if k.startswith("regression.cond.")}
@@ -119,8 +143,9 @@ class Float64DMD2:
 
 
 def test_student_gradient_matches_float64_reference(probed):
-    """The reduced student gradient of a guided, 3-step, backward-simulated DMD2 phase with the
-    regression term on 2 ranks equals the rank-averaged float64 reference gradient (rel. error < 1e-4)."""
+    """The reduced student gradient of a guided, 3-step, backward-simulated DMD2 phase with the GAN
+    generator and regression terms on 2 ranks equals the rank-averaged float64 reference gradient
+    (relative error < 1e-4); the fake-score phases before it trained the GAN head on real data."""
     rank0, rank1 = probed
     # Built in float32 (the ranks' init and draws), then converted: float64 from here on.
     reference = Float64DMD2(rank0["weights"])
@@ -147,6 +172,26 @@ def test_student_gradient_matches_float64_reference(probed):
         assert error < 1e-4, (name, error)
         checked += 1
     assert checked == len(per_rank[0])
+
+
+def test_gan_head_belongs_to_the_fake_score_and_learns_only_in_its_phases(probed):
+    """The head's parameters are the fake score's; fake-score phases move them (the discriminator term
+    on real vs student samples), the student phase does not; both GAN metrics are reported."""
+    rank0, _ = probed
+    assert rank0["head_role"] == ["fake_score"]
+    assert rank0["head_moves"] == [
+        ("fake_score", True),
+        ("student", False),
+        ("fake_score", True),
+        ("fake_score", True),
+    ]
+    fake_metrics = [m for m in rank0["phase_metrics"] if "fake_score/fake_loss" in m]
+    assert len(fake_metrics) == 3 and all(
+        math.isfinite(m["fake_score/gan_discriminator_loss"]) for m in fake_metrics
+    )
+    # an untrained head outputs logits near 0: softplus(0) + softplus(0) = 2 log 2
+    assert fake_metrics[0]["fake_score/gan_discriminator_loss"] == pytest.approx(2 * math.log(2), abs=0.3)
+    assert math.isfinite(rank0["metrics"]["gan_generator_loss"])
 
 
 def test_exit_index_is_shared_across_ranks(probed):
@@ -183,13 +228,10 @@ def test_backward_simulation_runs_grad_only_at_the_exit(exit_index):
 
 
 def test_unsupported_options_fail_at_construction():
-    """The GAN terms and multi-step without backward simulation are refused with the key named."""
+    """Multi-step without backward simulation is refused with the key named."""
     plan = dmd2_plan()
     base = plan.algorithm.__dict__
-    cases = {
-        "algorithm.gan_discriminator_weight": {"gan_discriminator_weight": 0.01},
-        "algorithm.backward_simulation": {"backward_simulation": False},
-    }
+    cases = {"algorithm.backward_simulation": {"backward_simulation": False}}
     for key, change in cases.items():
         algorithm = plan.algorithm.__class__(**{**base, **change})
         with pytest.raises(ValueError, match=f"config key '{key}'"):

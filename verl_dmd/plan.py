@@ -256,7 +256,8 @@ class AlgorithmSpec:
     gan_generator_weight: float = 0.0
     """Weight of the GAN generator term (DMD2: 1e-3 to 5e-3); needs gan_discriminator_weight > 0."""
     gan_discriminator_weight: float = 0.0
-    """Weight of the GAN discriminator term in fake-score phases (DMD2: 1e-2)."""
+    """Weight of the GAN discriminator term in fake-score phases (DMD2: 1e-2); > 0 adds a head on fake-score
+    features, trained with the fake score, and needs real data from the data provider (batch keys real.*)."""
     regression_weight: float = 0.0
     """Weight of the DMD v1 regression term on paired teacher data; needs data.regression_pairs_path."""
 

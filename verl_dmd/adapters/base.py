@@ -103,6 +103,38 @@ class DistributionMatchingModelAdapter:
 
         return DMD2Computer(self, plan.algorithm, seed=plan.trainer.seed, rank=rank)
 
+    def gan_feature_module(self, model: nn.Module) -> nn.Module:
+        """The block whose output the GAN head reads: by default the last FSDP unit."""
+        return list(self.fsdp_units(model))[-1]
+
+    def gan_feature_dim(self, model: nn.Module) -> int:
+        """Width of those features (the transformer's inner dimension by default)."""
+        config = model.config
+        return int(config.num_attention_heads * config.attention_head_dim)
+
+    def predict_with_features(
+        self, model: nn.Module, x_t: torch.Tensor, sigma: torch.Tensor, cond: Mapping[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`predict` plus the output of `gan_feature_module` (its last tensor if it returns several:
+        the image tokens for SD3, Flux, Wan and DiT blocks), read by a forward hook."""
+        captured: list[torch.Tensor] = []
+
+        def keep(module, args, output) -> None:
+            outputs = output if isinstance(output, tuple) else (output,)
+            captured.append([t for t in outputs if isinstance(t, torch.Tensor)][-1])
+
+        handle = self.gan_feature_module(model).register_forward_hook(keep)
+        try:
+            prediction = self.predict(model, x_t, sigma, cond)
+        finally:
+            handle.remove()
+        if len(captured) != 1:
+            raise RuntimeError(
+                f"adapter {self.name!r}: the GAN feature module ran {len(captured)} times in one forward; "
+                "override gan_feature_module to name a block that runs once"
+            )
+        return prediction, captured[0]
+
     def fsdp_units(self, model: nn.Module) -> Sequence[nn.Module]:
         """The submodules sharded as their own FSDP2 units (usually the transformer blocks)."""
         raise NotImplementedError

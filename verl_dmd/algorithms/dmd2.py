@@ -7,6 +7,8 @@ Batch contract (per rank, split into micro-batches by the runtime):
   makes it, so it can be a pure function of the sample's position (resumable).
 - ``cond.<name>``: conditioning tensors passed to the model adapter.
 - ``uncond.<name>``: the unconditional inputs, required when teacher guidance is on.
+- ``real.x0``, ``real.cond.<name>``: real data with its conditioning, required in
+  fake-score phases when ``gan_discriminator_weight > 0``.
 - ``regression.noise``, ``regression.target``, ``regression.cond.<name>``: paired
   (noise, teacher sample, conditioning) data, required when ``regression_weight > 0``;
   the student's *first* step from that noise is regressed onto the target (MSE), so a
@@ -17,8 +19,9 @@ is in `state_dict()`:
 1. the exit index of backward simulation (multi-step students), from the
    *shared* generator seeded identically on every rank, so all ranks agree;
 2. per simulated step before the exit, the re-noising noise (local generator);
-3. in a student phase, the noise level per sample, then the noise ``eps``;
-   in a fake-score phase, the same two draws from the fake-score range.
+3. in a student phase, the noise level per sample, then the noise ``eps`` (the GAN
+   generator term reuses both); in a fake-score phase, the same two draws from the
+   fake-score range, then (with the GAN discriminator) the real data's noise.
 """
 
 from __future__ import annotations
@@ -27,13 +30,14 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch import nn
 
 from verl_dmd import losses
 from verl_dmd.adapters.base import DistributionMatchingModelAdapter
 from verl_dmd.phases import PhaseOutput, PhaseRequest, Role
 from verl_dmd.plan import AlgorithmSpec
 
-COND, UNCOND, REGRESSION = "cond.", "uncond.", "regression."
+COND, UNCOND, REGRESSION, REAL = "cond.", "uncond.", "regression.", "real."
 
 
 def _prefixed(batch: Mapping[str, Any], prefix: str) -> dict[str, Any]:
@@ -45,27 +49,36 @@ def _draw(shape, generator: torch.Generator, like: torch.Tensor) -> torch.Tensor
     return torch.randn(shape, generator=generator, dtype=torch.float32).to(like.device, like.dtype)
 
 
+class GanHead(nn.Module):
+    """DMD2's discriminator head on fake-score features: mean over tokens, norm, a 2-layer MLP, one logit.
+
+    It is a parameter group of the fake-score role (trained by the fake-score
+    optimizer); the role engine attaches it to the model that holds the fake score.
+    """
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, dim), nn.SiLU(), nn.Linear(dim, 1))
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        """Logits of shape (B, 1) (not squeezed: FSDP2 warns about view outputs of its units)."""
+        if features.ndim > 2:  # (B, tokens..., D): pool every token
+            features = features.flatten(1, -2).mean(dim=1)
+        return self.mlp(self.norm(features))
+
+
 class DMD2Computer:
     """Computes one micro-batch of a DMD2 student or fake-score phase; see the module docstring."""
 
     def __init__(
         self, adapter: DistributionMatchingModelAdapter, algorithm: AlgorithmSpec, *, seed: int, rank: int
     ) -> None:
-        unsupported = [
-            ("algorithm.gan_generator_weight", algorithm.gan_generator_weight > 0),
-            ("algorithm.gan_discriminator_weight", algorithm.gan_discriminator_weight > 0),
-            (
-                "algorithm.backward_simulation",
-                algorithm.student_steps > 1 and not algorithm.backward_simulation,
-            ),
-        ]
-        for key, hit in unsupported:
-            if hit:
-                raise ValueError(
-                    f"config key '{key}' = {getattr(algorithm, key.split('.')[1])!r}: not supported by this "
-                    "version's DMD2 computer (the GAN head and multi-step training on real data are not "
-                    "built); fix: leave it at its default"
-                )
+        if algorithm.student_steps > 1 and not algorithm.backward_simulation:
+            raise ValueError(
+                "config key 'algorithm.backward_simulation' = False: not supported by this version's DMD2 "
+                "computer (multi-step training on noised real data is not built); fix: leave it at true"
+            )
         self.adapter = adapter
         self.algorithm = algorithm
         self.seed = seed
@@ -150,11 +163,28 @@ class DMD2Computer:
             "dmd_normalizer": dmd.normalizer.mean(),
             "exit_index": float(exit_index),
         }
+        if alg.gan_generator_weight > 0:
+            generator, grad_x = self._gan_generator_gradient(x.detach(), eps, sigma, cond, runtime)
+            metrics["gan_generator_loss"] = generator
+            # Like the DMD term, a surrogate whose gradient in x is dL_g/dx: the backward through the
+            # frozen fake score runs here, inside its role, not in the student's backward.
+            loss = loss + alg.gan_generator_weight * (x.float() * grad_x).sum()
         if alg.regression_weight > 0:
             regression = self._regression_loss(batch, runtime.engine.module_for(Role.STUDENT))
             metrics["regression_loss"] = regression.detach()
             loss = loss + alg.regression_weight * regression
         return PhaseOutput(loss=loss, metrics=metrics)
+
+    def _gan_generator_gradient(self, x, eps, sigma, cond, runtime) -> tuple[torch.Tensor, torch.Tensor]:
+        """L_g = mean softplus(-D(x_t)) at the DMD term's noise level and eps, and dL_g/dx (float32)."""
+        x = x.requires_grad_(True)
+        with runtime.use_role(Role.FAKE_SCORE) as fake, torch.enable_grad():
+            _, features = self.adapter.predict_with_features(
+                fake, losses.add_noise(x, eps, sigma), sigma, cond
+            )
+            generator = losses.gan_generator_loss(runtime.engine.gan_head(features))
+            (grad_x,) = torch.autograd.grad(generator, x)
+        return generator.detach(), grad_x.float()
 
     def _regression_loss(self, batch, student) -> torch.Tensor:
         """DMD v1's term: the student's first-step x0 from paired noise against the teacher's sample."""
@@ -178,9 +208,30 @@ class DMD2Computer:
         sigma = self._sigmas(x.shape[0], alg.fake_sigma_min, alg.fake_sigma_max, x)
         eps = _draw(x.shape, self.local, x)
         x_t = losses.add_noise(x, eps, sigma)
-        velocity = self.adapter.predict(runtime.engine.module_for(Role.FAKE_SCORE), x_t, sigma, cond)
-        loss = losses.fake_score_loss(velocity, x, eps)
-        return PhaseOutput(loss=loss, metrics={"fake_loss": loss.detach()})
+        fake = runtime.engine.module_for(Role.FAKE_SCORE)
+        if alg.gan_discriminator_weight == 0:
+            velocity = self.adapter.predict(fake, x_t, sigma, cond)
+            loss = losses.fake_score_loss(velocity, x, eps)
+            return PhaseOutput(loss=loss, metrics={"fake_loss": loss.detach()})
+        # DMD2's discriminator: the head on fake-score features, student samples vs real data noised
+        # to the same levels; it trains the head and the fake score together.
+        real = _prefixed(batch, REAL)
+        if "x0" not in real:
+            raise ValueError(
+                f"algorithm.gan_discriminator_weight = {alg.gan_discriminator_weight} needs real data, but the "
+                "batch has no real.x0; fix: use a data provider with real samples (digits has them), or set "
+                "the GAN weights to 0"
+            )
+        velocity, fake_features = self.adapter.predict_with_features(fake, x_t, sigma, cond)
+        denoise = losses.fake_score_loss(velocity, x, eps)
+        x_real = real["x0"]
+        x_t_real = losses.add_noise(x_real, _draw(x_real.shape, self.local, x_real), sigma)
+        _, real_features = self.adapter.predict_with_features(fake, x_t_real, sigma, _prefixed(real, COND))
+        head = runtime.engine.gan_head
+        discriminator = losses.gan_discriminator_loss(head(fake_features), head(real_features))
+        loss = denoise + alg.gan_discriminator_weight * discriminator
+        metrics = {"fake_loss": denoise.detach(), "gan_discriminator_loss": discriminator.detach()}
+        return PhaseOutput(loss=loss, metrics=metrics)
 
     @property
     def _guided(self) -> bool:

@@ -109,7 +109,8 @@ class DigitsConditionStream:
     noise is drawn from a generator seeded from (seed, p). A batch of ``size`` per rank
     on ``world`` ranks covers positions ``[position, position + size * world)``, rank r
     the r-th slice; the state is that one position, so resuming at any world size
-    continues the same stream.
+    continues the same stream. With `pairs` (regression) or `real` (GAN) each sample
+    also carries one pair / one real digit, each from its own per-epoch permutation.
     """
 
     def __init__(
@@ -119,6 +120,7 @@ class DigitsConditionStream:
         null_class: int,
         seed: int,
         pairs: dict[str, torch.Tensor] | None = None,
+        real: DigitsSplit | None = None,
     ) -> None:
         if labels.ndim != 1 or labels.numel() == 0:
             raise ValueError(f"labels of shape {tuple(labels.shape)}: expected a non-empty 1-d tensor")
@@ -127,6 +129,7 @@ class DigitsConditionStream:
         self.seed = int(seed)
         self.position = 0
         self.pairs = pairs
+        self.real = real
         self._orders: dict[str, tuple[int, torch.Tensor]] = {}
 
     @property
@@ -167,6 +170,10 @@ class DigitsConditionStream:
             count = self.pairs["noise"].shape[0]
             index = torch.tensor([self._index("pairs", 1, p, count) for p in positions])
             batch.update({f"regression.{k}": v[index] for k, v in self.pairs.items()})
+        if self.real is not None:
+            index = torch.tensor([self._index("real", 2, p, len(self.real)) for p in positions])
+            batch["real.x0"] = self.real.images[index]
+            batch["real.cond.class_labels"] = self.real.labels[index]
         return batch
 
     def state_dict(self) -> dict[str, int]:

@@ -53,6 +53,10 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+GAN_HEAD = "dmd_gan_head"
+"""Submodule name of the GAN head on the model that holds the fake score."""
+
+
 def _adapter_of(param_name: str) -> str | None:
     """The LoRA adapter a parameter belongs to (`...lora_A.<adapter>.weight`), else None."""
     parts = param_name.split(".")
@@ -148,6 +152,15 @@ class RoleEngine:
             self.models: dict[str, nn.Module] = {"base": self._build_shared()}
         else:
             self.models = self._build_independent()
+        # DMD2's GAN head: a fake-score parameter group on the model holding the fake score,
+        # sharded as its own unit so it can be called outside that model's forward.
+        self.gan_head: nn.Module | None = None
+        if plan.algorithm.gan_discriminator_weight > 0:
+            from verl_dmd.algorithms.dmd2 import GanHead
+
+            holder = self.module_for(Role.FAKE_SCORE)
+            self.gan_head = GanHead(self.adapter.gan_feature_dim(holder))
+            holder.add_module(GAN_HEAD, self.gan_head)
         for model in self.models.values():
             model.to(self.device)
             self._shard(
@@ -240,7 +253,10 @@ class RoleEngine:
 
             units = set(map(id, self.adapter.fsdp_units(model)))
             apply_activation_checkpointing(model, check_fn=lambda m: id(m) in units)
-        for unit in self.adapter.fsdp_units(model):
+        units = list(self.adapter.fsdp_units(model))
+        if hasattr(model, GAN_HEAD):
+            units.append(getattr(model, GAN_HEAD))
+        for unit in units:
             fully_shard(unit, **kwargs)
         fully_shard(model, **kwargs)
 
@@ -265,6 +281,8 @@ class RoleEngine:
         self.frozen_params = frozen
 
     def _role_of(self, model_name: str, param_name: str) -> Role | None:
+        if param_name.startswith(GAN_HEAD + "."):
+            return Role.FAKE_SCORE
         adapter = _adapter_of(param_name)
         if self.layout == "shared_base_adapters":
             return Role(adapter) if adapter is not None else None
