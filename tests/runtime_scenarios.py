@@ -16,7 +16,9 @@ from verl_dmd.plan import DistillationPlan
 from verl_dmd.runtime.engine import RoleEngine
 from verl_dmd.runtime.runtime import DistillationRoleRuntime
 
-TINY_CONFIGS = {family: get_adapter(family).tiny_config for family in ("sd3", "flux", "wan", "dit")}
+TINY_CONFIGS = {
+    family: get_adapter(family).tiny_config for family in ("sd3", "flux", "qwen_image", "wan", "dit")
+}
 
 
 FAKE_UPDATE_RATIO = 2
@@ -148,7 +150,7 @@ def train_and_probe(rank: int, world_size: int, family: str, layout: str) -> dic
 
 CASES = [
     (family, layout)
-    for family in ("sd3", "flux", "wan")
+    for family in ("sd3", "flux", "qwen_image", "wan")
     for layout in ("shared_base_adapters", "independent")
 ]
 

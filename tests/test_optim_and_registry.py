@@ -60,7 +60,7 @@ def test_optimizer_needs_parameters():
 
 def test_builtin_adapters_are_registered():
     """SD3, Flux and Wan adapters ship with the package."""
-    assert {"sd3", "flux", "wan"} <= set(available_adapters())
+    assert {"sd3", "flux", "qwen_image", "wan", "dit"} <= set(available_adapters())
 
 
 def test_unknown_adapter_lists_the_registered_ones():

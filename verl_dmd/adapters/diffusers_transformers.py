@@ -1,4 +1,4 @@
-"""Adapters for diffusers' transformers: SD3/SD3.5, Flux, Wan, and class-conditional DiT.
+"""Adapters for diffusers' transformers: SD3/SD3.5, Flux, Qwen-Image, Wan, and class-conditional DiT.
 
 Conditioning is precomputed (text encoders stay outside the training loop):
 `cond` holds prompt embeddings and, where the family uses them, pooled
@@ -15,6 +15,7 @@ import torch
 from diffusers import (
     DiTTransformer2DModel,
     FluxTransformer2DModel,
+    QwenImageTransformer2DModel,
     SD3Transformer2DModel,
     WanTransformer3DModel,
 )
@@ -111,6 +112,48 @@ class FluxAdapter(DistributionMatchingModelAdapter):
             "encoder_hidden_states": _randn((batch_size, 4, cfg.joint_attention_dim), generator),
             "pooled_projections": _randn((batch_size, cfg.pooled_projection_dim), generator),
         }
+        return x0, cond
+
+
+@register_adapter("qwen_image")
+class QwenImageAdapter(DistributionMatchingModelAdapter):
+    """Qwen-Image MMDiT: packed latent tokens (B, N, C) on a square grid; timestep = sigma.
+
+    The image grid (`img_shapes`) is derived from the token count; the text mask
+    ``cond["encoder_hidden_states_mask"]`` (B, L) is optional (all tokens valid).
+    """
+
+    model_class = QwenImageTransformer2DModel
+    tiny_config: ClassVar[dict] = {
+        "patch_size": 2, "in_channels": 16, "out_channels": 4, "num_layers": 2, "attention_head_dim": 8,
+        "num_attention_heads": 2, "joint_attention_dim": 16, "axes_dims_rope": [2, 2, 4],
+    }  # fmt: skip
+
+    def fsdp_units(self, model: nn.Module) -> Sequence[nn.Module]:
+        return list(model.transformer_blocks)
+
+    def predict(self, model, x_t, sigma, cond: Mapping[str, torch.Tensor]):
+        batch, tokens = x_t.shape[:2]
+        side = math.isqrt(tokens)
+        if side * side != tokens:
+            raise ValueError(f"qwen_image adapter: {tokens} latent tokens do not form a square grid")
+        text = cond["encoder_hidden_states"]
+        mask = cond.get("encoder_hidden_states_mask")
+        if mask is None:
+            mask = torch.ones(text.shape[:2], dtype=torch.long, device=text.device)
+        return model(
+            hidden_states=x_t,
+            encoder_hidden_states=text,
+            encoder_hidden_states_mask=mask,
+            timestep=sigma,
+            img_shapes=[[(1, side, side)]] * batch,
+            return_dict=False,
+        )[0]
+
+    def example_batch(self, model, batch_size, generator):
+        cfg = model.config
+        x0 = _randn((batch_size, 16, cfg.in_channels), generator)
+        cond = {"encoder_hidden_states": _randn((batch_size, 4, cfg.joint_attention_dim), generator)}
         return x0, cond
 
 
