@@ -1,0 +1,1 @@
+"""Composite checkpoints: atomic publication and verification (`store`); the state writers come next."""

@@ -1,0 +1,271 @@
+"""Atomic publication, verification, resolution and retention of checkpoint directories.
+
+This module knows files, not tensors: whatever writes a checkpoint's contents
+(DCP for model and optimizer state, ``torch.save`` of plain tensors for the rest)
+writes them into a staging directory from `CheckpointStore.begin`; `publish` then
+
+1. hashes every file and writes ``manifest.json`` (sizes and SHA-256 of every
+   file, format version, plan fingerprint, world size, counters),
+2. fsyncs every file and directory,
+3. renames the staging directory to ``global_step_<N>`` (atomic on POSIX),
+4. replaces the ``latest`` pointer atomically (write a temporary file, fsync,
+   ``os.replace``),
+5. applies retention (keep the newest ``keep_last``, plus every ``keep_every``-th).
+
+A crash at any point leaves either the previous complete checkpoint as the
+newest one or the new one complete; staging directories left by a crash are
+never read and are removed by the next `begin`. `resolve("auto")` returns the
+newest checkpoint whose manifest and files check out, warning (naming the
+damaged file) about every newer one it skips; ``latest`` is for people and tools
+(and is never deleted by retention), resolution does not depend on it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import uuid
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+LATEST = "latest"
+STAGING_PREFIX = ".staging-"
+_NAME = re.compile(r"^global_step_(\d+)$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used, named with what is wrong and what to do."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """One published checkpoint: its directory and its parsed manifest."""
+
+    path: Path
+    manifest: Mapping[str, Any]
+
+    @property
+    def global_step(self) -> int:
+        return int(self.manifest["global_step"])
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _manifest_digest(manifest: Mapping[str, Any]) -> str:
+    """SHA-256 of the manifest's canonical JSON without its own checksum: any edit of it shows."""
+    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _fsync_file(path: Path) -> None:
+    with path.open("rb") as handle:
+        os.fsync(handle.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def step_dir_name(global_step: int) -> str:
+    return f"global_step_{global_step}"
+
+
+class CheckpointStore:
+    """The checkpoint root of one run; a single writer (the driver or rank 0) publishes into it.
+
+    `fault_hook(point)` is called at every step of `publish` (tests inject crashes there).
+    """
+
+    def __init__(self, root: str | Path, *, fault_hook: Callable[[str], None] | None = None) -> None:
+        self.root = Path(root)
+        self._fault = fault_hook or (lambda point: None)
+
+    # ------------------------------------------------------------------ writing
+
+    def begin(self, global_step: int) -> Path:
+        """A fresh, empty staging directory for the checkpoint of `global_step`; stale ones are removed."""
+        if not isinstance(global_step, int) or global_step < 0:
+            raise CheckpointError(f"global_step = {global_step!r}: must be an integer >= 0")
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.clean_staging()
+        staging = self.root / f"{STAGING_PREFIX}{step_dir_name(global_step)}-{uuid.uuid4().hex[:12]}"
+        staging.mkdir()
+        return staging
+
+    def clean_staging(self) -> list[Path]:
+        """Remove staging directories and pointer temporaries (a crash's leftovers); returns them."""
+        removed = []
+        if self.root.is_dir():
+            for path in sorted(self.root.iterdir()):
+                if path.name.startswith(STAGING_PREFIX) and path.is_dir():
+                    shutil.rmtree(path, ignore_errors=True)
+                    removed.append(path)
+                elif path.name.startswith(f".{LATEST}.") and path.name.endswith(".tmp"):
+                    path.unlink(missing_ok=True)  # a pointer write cut short
+                    removed.append(path)
+        return removed
+
+    def publish(
+        self,
+        staging: Path,
+        *,
+        global_step: int,
+        fingerprint: str,
+        world_size: int,
+        counters: Mapping[str, int] | None = None,
+        keep_last: int = 0,
+        keep_every: int = 0,
+    ) -> Checkpoint:
+        """Seal `staging` (manifest, fsync), rename it into place, move `latest`, apply retention."""
+        staging = Path(staging)
+        if staging.parent != self.root or not staging.name.startswith(STAGING_PREFIX):
+            raise CheckpointError(f"{staging}: not a staging directory of {self.root} (use begin())")
+        target = self.root / step_dir_name(global_step)
+        if target.exists():
+            raise CheckpointError(
+                f"checkpoint {target} already exists; a step is saved once (fix: resume from it, or remove it)"
+            )
+        files = {}
+        for path in sorted(p for p in staging.rglob("*") if p.is_file()):
+            relative = path.relative_to(staging).as_posix()
+            if relative == MANIFEST:
+                raise CheckpointError(f"{staging}: {MANIFEST} is written by publish(), not by the caller")
+            self._fault(f"hash:{relative}")
+            files[relative] = {"size": path.stat().st_size, "sha256": _sha256(path)}
+            _fsync_file(path)
+        if not files:
+            raise CheckpointError(f"{staging}: nothing to publish (no files)")
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "global_step": global_step,
+            "plan_fingerprint": fingerprint,
+            "world_size": world_size,
+            "counters": dict(counters or {}),
+            "files": files,
+        }
+        manifest["manifest_sha256"] = _manifest_digest(manifest)
+        self._fault("manifest:write")
+        (staging / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+        self._fault("manifest:fsync")
+        _fsync_file(staging / MANIFEST)
+        for directory in sorted({p.parent for p in staging.rglob("*")} | {staging}):
+            _fsync_dir(directory)
+        self._fault("dirs:fsync")
+        self._fault("rename")
+        os.rename(staging, target)
+        _fsync_dir(self.root)
+        self._fault("latest:write")
+        pointer = self.root / f".{LATEST}.{uuid.uuid4().hex[:12]}.tmp"
+        pointer.write_text(target.name + "\n")
+        _fsync_file(pointer)
+        self._fault("latest:replace")
+        os.replace(pointer, self.root / LATEST)
+        _fsync_dir(self.root)
+        self._fault("retention")
+        self.apply_retention(keep_last=keep_last, keep_every=keep_every)
+        return Checkpoint(target, manifest)
+
+    def apply_retention(self, *, keep_last: int, keep_every: int) -> list[Path]:
+        """Delete published checkpoints beyond the newest `keep_last` (0: keep all), sparing every
+        `keep_every`-th step and whatever `latest` names; returns the deleted directories."""
+        if keep_last <= 0:
+            return []
+        steps = sorted(self._published(), reverse=True)
+        keep = {step for step, _ in steps[:keep_last]}
+        keep |= {step for step, _ in steps if keep_every > 0 and step % keep_every == 0}
+        protected = self._latest_name()
+        deleted = []
+        for step, path in steps:
+            if step not in keep and path.name != protected:
+                self._fault(f"delete:{path.name}")
+                shutil.rmtree(path)
+                deleted.append(path)
+        return deleted
+
+    # ------------------------------------------------------------------ reading
+
+    def _published(self) -> list[tuple[int, Path]]:
+        if not self.root.is_dir():
+            return []
+        found = []
+        for path in self.root.iterdir():
+            match = _NAME.match(path.name)
+            if match and path.is_dir():
+                found.append((int(match.group(1)), path))
+        return found
+
+    def _latest_name(self) -> str | None:
+        try:
+            name = (self.root / LATEST).read_text().strip()
+        except (OSError, UnicodeDecodeError):
+            return None
+        return name if _NAME.match(name) else None
+
+    @staticmethod
+    def verify(path: str | Path, *, hashes: bool = False) -> Checkpoint:
+        """The checkpoint at `path` if its manifest parses and every listed file has its size (and
+        SHA-256 with `hashes`); else CheckpointError naming the damaged file."""
+        path = Path(path)
+        manifest_path = path / MANIFEST
+        try:
+            manifest = json.loads(manifest_path.read_text())
+        except FileNotFoundError:
+            raise CheckpointError(f"{manifest_path}: missing (not a complete checkpoint)") from None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise CheckpointError(f"{manifest_path}: unreadable or truncated ({err})") from None
+        required = ("format_version", "global_step", "plan_fingerprint", "world_size", "files")
+        if not isinstance(manifest, dict) or any(key not in manifest for key in required):
+            raise CheckpointError(f"{manifest_path}: not a verl_dmd manifest (needs {', '.join(required)})")
+        if manifest.get("manifest_sha256") != _manifest_digest(manifest):
+            raise CheckpointError(
+                f"{manifest_path}: its checksum does not match its content (the file is damaged)"
+            )
+        if manifest["format_version"] != FORMAT_VERSION:
+            raise CheckpointError(
+                f"{manifest_path}: format_version {manifest['format_version']!r}, this verl_dmd reads "
+                f"{FORMAT_VERSION}; fix: resume with the verl_dmd version that wrote it"
+            )
+        for relative, entry in manifest["files"].items():
+            file = path / relative
+            if not file.is_file():
+                raise CheckpointError(f"{file}: listed in the manifest but missing")
+            size = file.stat().st_size
+            if size != entry["size"]:
+                raise CheckpointError(f"{file}: {size} bytes, the manifest says {entry['size']} (truncated?)")
+            if hashes and _sha256(file) != entry["sha256"]:
+                raise CheckpointError(f"{file}: SHA-256 differs from the manifest (the file is damaged)")
+        return Checkpoint(path, manifest)
+
+    def resolve(self, resume: str, *, hashes: bool = False) -> Checkpoint | None:
+        """`disable` -> None; a path -> that checkpoint, verified; `auto` -> the newest verified one
+        (None if there is none), warning about each newer damaged one it skips."""
+        if resume == "disable":
+            return None
+        if resume != "auto":
+            return self.verify(resume, hashes=hashes)
+        # Newest first, whatever `latest` says: a directory is renamed into place only when complete,
+        # so one the pointer does not name yet (a crash between the two) is still safe to use.
+        for _, path in sorted(self._published(), reverse=True):
+            try:
+                return self.verify(path, hashes=hashes)
+            except CheckpointError as err:
+                warnings.warn(f"skipping damaged checkpoint: {err}", stacklevel=2)
+        return None
