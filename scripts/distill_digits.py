@@ -57,6 +57,12 @@ def build_plan(overrides: list[str]) -> DistillationPlan:
     return DistillationPlan.from_config(config)
 
 
+def _euler_guidance(plan: DistillationPlan) -> float:
+    """The teacher's CFG scale in the standard form (what the DMD term's teacher uses)."""
+    alg = plan.algorithm
+    return alg.teacher_guidance_scale + (1.0 if alg.cfg_form == "conditional_offset" else 0.0)
+
+
 def teacher_digest(plan: DistillationPlan) -> str:
     """SHA-256 over the teacher's weight files (what the pairs depend on), or its config when built from one."""
     source = plan.model.teacher
@@ -66,7 +72,7 @@ def teacher_digest(plan: DistillationPlan) -> str:
         )
     folder = Path(resolve_model_path(source.path)) / (source.subfolder or "")
     digest = hashlib.sha256()
-    for file in sorted(folder.glob("*.safetensors")):
+    for file in sorted([*folder.glob("*.safetensors"), *folder.glob("*.bin")]):
         digest.update(file.name.encode())
         digest.update(file.read_bytes())
     return digest.hexdigest()
@@ -85,6 +91,7 @@ def regression_pairs(
         "teacher_sha256": teacher_digest(plan),
         "euler_steps": str(PAIR_STEPS),
         "seed": str(plan.trainer.seed),
+        "guidance": str(_euler_guidance(plan)),
     }
     if path.is_file():
         try:
@@ -102,11 +109,16 @@ def regression_pairs(
                     f"data.regression_pairs_path = {str(path)!r} was made with {key} = {metadata[key]!r}, this "
                     f"run has {want!r}; fix: delete the file to regenerate it, or use another path"
                 )
-        print(f"regression pairs: {path} ({pairs['noise'].shape[0] if 'noise' in pairs else 0} pairs)")
-        return check_pairs(pairs, repr(str(path)))
+        pairs = check_pairs(pairs, repr(str(path)))
+        print(f"regression pairs: {path} ({pairs['noise'].shape[0]} pairs)")
+        return pairs
     started = time.perf_counter()
     with engine.use_role(Role.TEACHER) as teacher:
-        pairs = teacher_pairs(adapter, teacher, labels, seed=plan.trainer.seed + 7919, steps=PAIR_STEPS)
+        null = adapter.null_class(teacher)
+        pairs = teacher_pairs(
+            adapter, teacher, labels, seed=plan.trainer.seed + 7919, steps=PAIR_STEPS,
+            guidance=_euler_guidance(plan), null_class=null,
+        )  # fmt: skip
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     safetensors.torch.save_file(pairs, staging, metadata=expected)
@@ -165,9 +177,7 @@ def evaluate(plan: DistillationPlan, engine, computer, *, samples: int, out: Pat
             evaluation.labels, adapter.null_class(engine.module_for(Role.TEACHER))
         )
     }
-    guidance = plan.algorithm.teacher_guidance_scale
-    if plan.algorithm.cfg_form == "conditional_offset":
-        guidance += 1.0
+    guidance = _euler_guidance(plan)
     rows = []
     with engine.use_role(Role.TEACHER) as teacher:
         for steps in TEACHER_STEPS:
@@ -176,7 +186,7 @@ def evaluate(plan: DistillationPlan, engine, computer, *, samples: int, out: Pat
             )
             rows.append(evaluation.row("teacher", "euler", steps, images))
     student_steps = sorted({1, plan.algorithm.student_steps, *plan.validation.sampling_steps})
-    for role in (Role.STUDENT, Role.STUDENT_EMA):
+    for role in (Role.STUDENT, Role.STUDENT_EMA) if plan.ema.enabled else (Role.STUDENT,):
         with engine.use_role(role) as module:
             for steps in student_steps:
                 schedule = (

@@ -180,3 +180,32 @@ def test_sigkill_at_every_point_of_a_save_never_exposes_a_partial_checkpoint(tmp
         assert store.resolve("auto", hashes=True).global_step == 4
         assert not [p for p in root.iterdir() if p.name.startswith(".")]  # staging and pointer temporaries
         assert os.path.isdir(root / "global_step_4")
+
+
+def test_a_resume_sets_the_abandoned_timeline_aside(tmp_path):
+    """Resuming below the newest checkpoint (damaged newer ones, or an explicit older path) hides the
+    later ones, so retention, auto-resume and saving those steps again see only the new timeline."""
+    store = CheckpointStore(tmp_path)
+    for step in (900, 950, 1000):
+        save(store, step)
+    (tmp_path / "global_step_1000" / FILES[0]).write_bytes(b"x")
+    with pytest.warns(UserWarning, match="skipping damaged"):
+        resumed = store.resolve("auto")
+    assert resumed.global_step == 950
+    with pytest.warns(UserWarning, match="global_step_1000"):
+        store.set_aside_newer_than(resumed.global_step)
+    save(store, 1000, keep_last=1)  # the new run reaches 1000 again: saved, and retention keeps it
+    assert sorted(p.name for p in tmp_path.glob("global_step_*")) == ["global_step_1000"]
+    assert store.resolve("auto", hashes=True).global_step == 1000
+    assert len(list(tmp_path.glob(".set-aside-global_step_1000-*"))) == 1
+    with pytest.warns(UserWarning, match="abandoned"):
+        assert len(store.set_aside_newer_than(-1)) == 1  # a fresh start (resume=disable) hides all
+    assert store.resolve("auto") is None
+
+
+def test_manifest_step_must_match_the_directory(tmp_path):
+    store = CheckpointStore(tmp_path)
+    path = save(store, 3)
+    path.rename(tmp_path / "global_step_4")
+    with pytest.raises(CheckpointError, match="does not match the directory name"):
+        store.verify(tmp_path / "global_step_4")

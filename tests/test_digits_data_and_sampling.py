@@ -194,3 +194,31 @@ def test_pairs_ride_along_world_size_free_and_are_checked():
     for broken, message in bad:
         with pytest.raises(ValueError, match=message):
             check_pairs(broken, "'x.safetensors'")
+
+
+def test_stream_takes_any_seed():
+    """Seeds are mixed into 64-bit generator seeds; large ones are hashed down first (no overflow)."""
+    for seed in (0, 2**23 - 1, 2**23, 2**40, 2**62):
+        batch = DigitsConditionStream(LABELS, null_class=10, seed=seed).next_batch(3)
+        assert batch["noise"].shape == (3, 1, 8, 8)
+    big = [
+        DigitsConditionStream(LABELS, null_class=10, seed=s).next_batch(5)["noise"] for s in (2**40, 2**41)
+    ]
+    assert not torch.equal(*big)
+    with pytest.raises(ValueError, match="seed = -1"):
+        DigitsConditionStream(LABELS, null_class=10, seed=-1)
+
+
+def test_the_seed_reaches_every_random_stream():
+    """torch's CPU generator keeps only a seed's low 32 bits: every stream must still depend on the seed,
+    and the label, pair and real-data orders must be independent of each other."""
+    pairs = {
+        "noise": torch.randn(37, 1, 8, 8),
+        "target": torch.randn(37, 1, 8, 8),
+        "cond.class_labels": LABELS,
+    }
+    a, b = (DigitsConditionStream(LABELS, null_class=10, seed=s, pairs=pairs).next_batch(37) for s in (0, 1))
+    for key in ("noise", "cond.class_labels", "regression.noise"):
+        assert not torch.equal(a[key], b[key]), key
+    order = [int(torch.nonzero((pairs["noise"] == n).all(dim=(1, 2, 3)))[0]) for n in a["regression.noise"]]
+    assert not torch.equal(torch.tensor(order) % 10, a["cond.class_labels"])  # pairs not tied to labels

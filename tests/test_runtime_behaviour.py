@@ -244,3 +244,20 @@ def test_trap_dit_keeps_block_zero_in_the_root_unit(results):
     with torch.no_grad():
         want = adapter.predict(model, x0, torch.full((4,), 0.5), cond)
     assert relative_error(got["guarded"], want) < 1e-5
+
+
+def test_frozen_roles_run_in_eval_mode_even_with_peft_dropout(tmp_path):
+    """A teacher loaded from a directory is in eval mode, PEFT's injected dropout layers in train mode;
+    after construction every module is in eval mode, and a phase puts only its own model in train mode."""
+    import torch
+
+    from verl_dmd.adapters import get_adapter
+    from verl_dmd.adapters.base import ModelSource
+
+    torch.manual_seed(0)
+    adapter = get_adapter("dit")()
+    adapter.build_model(ModelSource(config=adapter.tiny_config)).save_pretrained(tmp_path / "teacher")
+    (result,) = run_ranks(trap_scenarios.lora_dropout_modes, 1, tmp_path / "ranks", str(tmp_path / "teacher"))
+    assert result["built"] == {"teacher": [False], "student": [False], "fake_score": [False]}
+    assert result["fake_phase"] == {"teacher": [False], "student": [False], "fake_score": [True]}
+    assert result["after"] == result["built"]

@@ -535,3 +535,27 @@ def run_all(rank, world, directory):
     except Exception:
         results["init_from_peft_dir"] = {"crashed": traceback.format_exc()}
     return results
+
+
+def lora_dropout_modes(rank: int, world_size: int, teacher_dir: str) -> dict:
+    """PEFT's dropout layers, injected into a model loaded in eval mode, start in train mode: the
+    engine must still run every frozen role in eval mode (review finding on train/eval switching)."""
+    from runtime_scenarios import make_plan
+
+    from verl_dmd.adapters import get_adapter
+    from verl_dmd.phases import Role
+    from verl_dmd.runtime.engine import RoleEngine
+
+    lora = {"rank": 4, "dropout": 0.5}
+    plan = make_plan("dit", "independent", **{"model.teacher.config": None, "model.teacher.path": teacher_dir,
+                                              "model.student.lora": lora, "model.fake_score.lora": lora})  # fmt: skip
+    engine = RoleEngine(plan, get_adapter("dit")())
+
+    def training(name):
+        return sorted({m.training for m in engine.models[name].modules()})
+
+    out = {"built": {name: training(name) for name in engine.models}}
+    with engine.trainable(Role.FAKE_SCORE), engine.use_role(Role.FAKE_SCORE):
+        out["fake_phase"] = {name: training(name) for name in engine.models}
+    out["after"] = {name: training(name) for name in engine.models}
+    return out

@@ -168,7 +168,8 @@ class DMD2Computer:
             metrics["gan_generator_loss"] = generator
             # Like the DMD term, a surrogate whose gradient in x is dL_g/dx: the backward through the
             # frozen fake score runs here, inside its role, not in the student's backward.
-            loss = loss + alg.gan_generator_weight * (x.float() * grad_x).sum()
+            wide = torch.promote_types(x.dtype, torch.float32)  # float32 or wider, as the DMD term
+            loss = loss + alg.gan_generator_weight * (x.to(wide) * grad_x.to(wide)).sum()
         if alg.regression_weight > 0:
             regression = self._regression_loss(batch, runtime.engine.module_for(Role.STUDENT))
             metrics["regression_loss"] = regression.detach()
@@ -176,7 +177,7 @@ class DMD2Computer:
         return PhaseOutput(loss=loss, metrics=metrics)
 
     def _gan_generator_gradient(self, x, eps, sigma, cond, runtime) -> tuple[torch.Tensor, torch.Tensor]:
-        """L_g = mean softplus(-D(x_t)) at the DMD term's noise level and eps, and dL_g/dx (float32)."""
+        """L_g = mean softplus(-D(x_t)) at the DMD term's noise level and eps, and dL_g/dx."""
         x = x.requires_grad_(True)
         with runtime.use_role(Role.FAKE_SCORE) as fake, torch.enable_grad():
             _, features = self.adapter.predict_with_features(
@@ -184,7 +185,7 @@ class DMD2Computer:
             )
             generator = losses.gan_generator_loss(runtime.engine.gan_head(features))
             (grad_x,) = torch.autograd.grad(generator, x)
-        return generator.detach(), grad_x.float()
+        return generator.detach(), grad_x
 
     def _regression_loss(self, batch, student) -> torch.Tensor:
         """DMD v1's term: the student's first-step x0 from paired noise against the teacher's sample."""

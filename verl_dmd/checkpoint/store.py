@@ -15,8 +15,9 @@ writes them into a staging directory from `CheckpointStore.begin`; `publish` the
 A crash at any point leaves either the previous complete checkpoint as the
 newest one or the new one complete; staging directories left by a crash are
 never read and are removed by the next `begin`. `resolve("auto")` returns the
-newest checkpoint whose manifest and files check out, warning (naming the
-damaged file) about every newer one it skips; ``latest`` is for people and tools
+newest checkpoint whose manifest checks out and whose files have their recorded
+sizes (and SHA-256 on request), warning (naming the damaged file) about every
+newer one it skips; ``latest`` is for people and tools
 (and is never deleted by retention), resolution does not depend on it.
 """
 
@@ -38,6 +39,7 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 LATEST = "latest"
 STAGING_PREFIX = ".staging-"
+SET_ASIDE_PREFIX = ".set-aside-"
 _NAME = re.compile(r"^global_step_(\d+)$")
 
 
@@ -133,8 +135,11 @@ class CheckpointStore:
         counters: Mapping[str, int] | None = None,
         keep_last: int = 0,
         keep_every: int = 0,
+        extra: Mapping[str, Any] | None = None,
     ) -> Checkpoint:
-        """Seal `staging` (manifest, fsync), rename it into place, move `latest`, apply retention."""
+        """Seal `staging` (manifest, fsync), rename it into place, move `latest`, apply retention.
+
+        `extra` adds JSON-able entries to the manifest (the plan's semantic dict, for resume checks)."""
         staging = Path(staging)
         if staging.parent != self.root or not staging.name.startswith(STAGING_PREFIX):
             raise CheckpointError(f"{staging}: not a staging directory of {self.root} (use begin())")
@@ -161,6 +166,10 @@ class CheckpointStore:
             "counters": dict(counters or {}),
             "files": files,
         }
+        clash = sorted(set(extra or {}) & {*manifest, "manifest_sha256"})
+        if clash:
+            raise CheckpointError(f"extra manifest keys {clash} clash with the manifest's own")
+        manifest.update(extra or {})
         manifest["manifest_sha256"] = _manifest_digest(manifest)
         self._fault("manifest:write")
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
@@ -199,6 +208,28 @@ class CheckpointStore:
                 shutil.rmtree(path)
                 deleted.append(path)
         return deleted
+
+    def set_aside_newer_than(self, global_step: int) -> list[Path]:
+        """Rename every published checkpoint after `global_step` to ``.set-aside-global_step_<N>-<nonce>``.
+
+        A run resumed from step S (an explicit older path, or the newest *intact* one while newer
+        ones are damaged), or started afresh (S = -1), starts a new timeline: the old timeline's later
+        checkpoints must neither be picked by ``auto`` after the next crash, count in retention, nor
+        block saving those steps again. They are kept, hidden, for people to inspect or delete."""
+        moved = []
+        for step, path in sorted(self._published()):
+            if step > global_step:
+                target = self.root / f"{SET_ASIDE_PREFIX}{path.name}-{uuid.uuid4().hex[:12]}"
+                os.rename(path, target)
+                moved.append(target)
+        if moved:
+            _fsync_dir(self.root)
+            warnings.warn(
+                f"checkpoints after step {global_step} belong to an abandoned run and were set aside: "
+                f"{', '.join(p.name for p in moved)} (never read; delete them when no longer needed)",
+                stacklevel=2,
+            )
+        return moved
 
     # ------------------------------------------------------------------ reading
 
@@ -242,6 +273,11 @@ class CheckpointStore:
             raise CheckpointError(
                 f"{manifest_path}: format_version {manifest['format_version']!r}, this verl_dmd reads "
                 f"{FORMAT_VERSION}; fix: resume with the verl_dmd version that wrote it"
+            )
+        match = _NAME.match(path.name)
+        if match and int(match.group(1)) != manifest["global_step"]:
+            raise CheckpointError(
+                f"{manifest_path}: global_step {manifest['global_step']!r} does not match the directory name"
             )
         for relative, entry in manifest["files"].items():
             file = path / relative

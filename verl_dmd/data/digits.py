@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,16 +64,29 @@ PAIR_KEYS = ("noise", "target", "cond.class_labels")
 
 @torch.no_grad()
 def teacher_pairs(
-    adapter, teacher, labels: torch.Tensor, *, seed: int, steps: int = 32, chunk: int = 512
+    adapter,
+    teacher,
+    labels: torch.Tensor,
+    *,
+    seed: int,
+    steps: int = 32,
+    chunk: int = 512,
+    guidance: float = 1.0,
+    null_class: int | None = None,
 ) -> dict[str, torch.Tensor]:
-    """DMD v1's paired data for digits: the teacher's `steps`-step Euler sample from fixed noise per label."""
+    """DMD v1's paired data for digits: the teacher's `steps`-step Euler sample (with the DMD term's
+    guidance, standard CFG form) from fixed noise per label."""
     from verl_dmd.eval.sampling import euler_sample
 
+    if guidance != 1.0 and null_class is None:
+        raise ValueError(f"guidance = {guidance}: teacher pairs with CFG need the null class")
     noise = torch.randn(labels.shape[0], *IMAGE_SHAPE, generator=torch.Generator().manual_seed(seed))
-    targets = [
-        euler_sample(adapter, teacher, n, {"class_labels": y}, steps)
-        for n, y in zip(noise.split(chunk), labels.split(chunk), strict=True)
-    ]
+    targets = []
+    for n, y in zip(noise.split(chunk), labels.split(chunk), strict=True):
+        uncond = None if null_class is None else {"class_labels": torch.full_like(y, null_class)}
+        targets.append(
+            euler_sample(adapter, teacher, n, {"class_labels": y}, steps, guidance=guidance, uncond=uncond)
+        )
     return {"noise": noise, "target": torch.cat(targets), "cond.class_labels": labels.to(torch.int64)}
 
 
@@ -127,6 +141,8 @@ class DigitsConditionStream:
         self.labels = labels.to(torch.int64)
         self.null_class = int(null_class)
         self.seed = int(seed)
+        if self.seed < 0:
+            raise ValueError(f"seed = {seed!r}: must be >= 0")
         self.position = 0
         self.pairs = pairs
         self.real = real
@@ -136,21 +152,27 @@ class DigitsConditionStream:
     def epoch(self) -> int:
         return self.position // self.labels.numel()
 
-    def _index(self, stream: str, salt: int, position: int, size: int) -> int:
+    def _generator_seed(self, stream: str, index: int) -> int:
+        """A 64-bit seed hashed from (seed, stream, index). Hashing matters: torch's CPU generator
+        keeps only the low 32 bits of a seed, so shifting the run seed into high bits would drop it."""
+        digest = hashlib.blake2b(f"{self.seed}/{stream}/{index}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little")
+
+    def _index(self, stream: str, position: int, size: int) -> int:
         """Entry `position mod size` of epoch `position // size`'s permutation of range(size)."""
         epoch, offset = divmod(position, size)
         cached = self._orders.get(stream)
         if cached is None or cached[0] != epoch:
-            generator = torch.Generator().manual_seed((self.seed << 24) ^ (salt << 56) ^ epoch)
+            generator = torch.Generator().manual_seed(self._generator_seed(stream, epoch))
             cached = (epoch, torch.randperm(size, generator=generator))
             self._orders[stream] = cached
         return int(cached[1][offset])
 
     def _label(self, position: int) -> int:
-        return int(self.labels[self._index("labels", 0, position, self.labels.numel())])
+        return int(self.labels[self._index("labels", position, self.labels.numel())])
 
     def _noise(self, position: int) -> torch.Tensor:
-        generator = torch.Generator().manual_seed((self.seed << 40) ^ position ^ 0x5EED)
+        generator = torch.Generator().manual_seed(self._generator_seed("noise", position))
         return torch.randn(IMAGE_SHAPE, generator=generator)
 
     def next_batch(self, size: int, *, rank: int = 0, world_size: int = 1) -> dict[str, torch.Tensor]:
@@ -168,10 +190,10 @@ class DigitsConditionStream:
         }
         if self.pairs is not None:
             count = self.pairs["noise"].shape[0]
-            index = torch.tensor([self._index("pairs", 1, p, count) for p in positions])
+            index = torch.tensor([self._index("pairs", p, count) for p in positions])
             batch.update({f"regression.{k}": v[index] for k, v in self.pairs.items()})
         if self.real is not None:
-            index = torch.tensor([self._index("real", 2, p, len(self.real)) for p in positions])
+            index = torch.tensor([self._index("real", p, len(self.real)) for p in positions])
             batch["real.x0"] = self.real.images[index]
             batch["real.cond.class_labels"] = self.real.labels[index]
         return batch

@@ -145,6 +145,7 @@ class RoleEngine:
         self.ema_enabled = plan.ema.enabled
         self._active: Role | None = None
         self._trainable: Role | None = None
+        self._modes: dict[str, bool] = {}  # model name -> the train/eval mode this engine last set
 
         # Same seed on every rank: random init (configs, LoRA A matrices) must agree.
         torch.manual_seed(plan.trainer.seed)
@@ -379,11 +380,23 @@ class RoleEngine:
         elif role is not self._active and Role.STUDENT_EMA in (role, self._active):
             self._swap_ema()
         self._active = role
-        training = self.module_for(role) if role is not None and role is self._trainable else None
-        for model in self.models.values():
-            if model.training != (model is training):  # module.train() walks every submodule: only on change
-                model.train(model is training)
+        self._apply_modes()
         self._apply_trainable()
+
+    def _apply_modes(self) -> None:
+        """Train mode for the trainable role's model while that role is active, eval for every other.
+
+        The engine remembers the mode it set per model (a root's `training` flag says nothing about
+        submodules added later, e.g. PEFT's dropout layers, which start in train mode), and calls
+        `train()`, which walks every submodule, only when that changes.
+        """
+        active = self._active
+        training = self.module_for(active) if active is not None and active is self._trainable else None
+        for name, model in self.models.items():
+            wanted = model is training
+            if self._modes.get(name) != wanted:
+                model.train(wanted)
+                self._modes[name] = wanted
 
     def _switch_adapter(self, role: Role | None) -> None:
         from peft.tuners.tuners_utils import BaseTunerLayer
@@ -416,12 +429,14 @@ class RoleEngine:
         previous = self._trainable
         self._trainable = None if role is None else Role(role)
         self.reshard()
+        self._apply_modes()
         self._apply_trainable()
         try:
             yield
         finally:
             self._trainable = previous
             self.reshard()
+            self._apply_modes()
             self._apply_trainable()
 
     def _apply_trainable(self) -> None:
