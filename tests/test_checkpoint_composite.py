@@ -44,6 +44,12 @@ def test_plan_drift_fails_before_loading_and_mutable_keys_pass(tmp_path):
     assert "checkpoint.resume=disable" in drift["error"]
     (mutable,) = run_ranks(resume_with, 1, tmp_path / "c", "independent", root, {"trainer.total_steps": 7})
     assert mutable == {"error": None, "step": 2}
+    # Activation checkpointing is resume-mutable: it wraps blocks (renaming parameters in PyTorch), but
+    # the checkpoint keys are canonical names, so a checkpoint loads with it switched on or off.
+    (rewrapped,) = run_ranks(
+        resume_with, 1, tmp_path / "d", "independent", root, {"model.activation_checkpointing": True}
+    )
+    assert rewrapped == {"error": None, "step": 2}
 
 
 def test_resume_at_another_world_size_restores_weights_and_optimizers(tmp_path):

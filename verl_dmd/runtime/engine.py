@@ -57,6 +57,20 @@ GAN_HEAD = "dmd_gan_head"
 """Submodule name of the GAN head on the model that holds the fake score."""
 
 
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.",)
+
+
+def canonical_name(param_name: str) -> str:
+    """A parameter's name without the segments that activation-checkpoint wrappers insert.
+
+    Checkpoint keys use these names, so a checkpoint saved with activation checkpointing on
+    loads with it off and vice versa (the key is resume-mutable).
+    """
+    for prefix in _WRAPPER_PREFIXES:
+        param_name = param_name.replace(prefix, "")
+    return param_name
+
+
 def _adapter_of(param_name: str) -> str | None:
     """The LoRA adapter a parameter belongs to (`...lora_A.<adapter>.weight`), else None."""
     parts = param_name.split(".")
@@ -268,7 +282,7 @@ class RoleEngine:
         seen: set[int] = set()
         for model_name, model in self.models.items():
             for name, param in model.named_parameters():
-                full = f"{model_name}.{name}"
+                full = f"{model_name}.{canonical_name(name)}"
                 if id(param) in seen:
                     raise AssertionError(f"parameter {full} is shared between roles")
                 seen.add(id(param))
