@@ -57,7 +57,7 @@ setup(
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS_REQUIRE,
     entry_points={
-        "console_scripts": ["verl-dmd = verl_dmd.main:cli"],
+        "console_scripts": ["verl-dmd = verl_dmd.main:cli", "verl-dmd-export = verl_dmd.export_main:cli"],
         # Third-party model adapters register here; see docs/architecture.md.
         "verl_dmd.adapters": [],
     },

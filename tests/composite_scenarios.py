@@ -6,7 +6,7 @@ import torch
 from runtime_scenarios import full, make_plan
 
 from verl_dmd.adapters import get_adapter
-from verl_dmd.checkpoint.composite import capture_rng, load_checkpoint, restore_rng, save_checkpoint
+from verl_dmd.checkpoint.composite import capture_rng, load_checkpoint, restore_rank_state, save_checkpoint
 from verl_dmd.checkpoint.engine_state import engine_state, schedule_state
 from verl_dmd.checkpoint.store import CheckpointError, CheckpointStore
 from verl_dmd.controller import DistillationController
@@ -44,9 +44,9 @@ class Stack:
             self.controller.record(role, stepped=metrics["stepped"])
             torch.rand(3)  # the global RNG moves too: its state must come back on resume
 
-    def save(self, root: str):
+    def save(self, root: str, store: CheckpointStore | None = None):
         return save_checkpoint(
-            CheckpointStore(root), self.engine, self.plan, global_step=self.controller.global_step,
+            store or CheckpointStore(root), self.engine, self.plan, global_step=self.controller.global_step,
             trainer_state={"controller": self.controller.state_dict(), "data": self.stream.state_dict()},
             rank_state={**capture_rng(), **{f"computer.{k}": v for k, v in self.computer.state_dict().items()}},
         )  # fmt: skip
@@ -57,11 +57,7 @@ class Stack:
             return None
         self.controller.load_state_dict(loaded.trainer_state["controller"])
         self.stream.load_state_dict(loaded.trainer_state["data"])
-        if loaded.rank_state is not None:
-            restore_rng(loaded.rank_state)
-            prefix = "computer."
-            self.computer.load_state_dict({k[len(prefix):]: v for k, v in loaded.rank_state.items()
-                                           if k.startswith(prefix)})  # fmt: skip
+        restore_rank_state(loaded, seed=self.plan.trainer.seed, rank=self.rank, computer=self.computer)
         return loaded
 
     def snapshot(self) -> dict:
@@ -86,11 +82,13 @@ def straight(rank: int, world_size: int, layout: str, root: str) -> dict:
 
 def resumed(rank: int, world_size: int, layout: str, root: str) -> dict:
     stack = Stack(rank, world_size, layout)
+    fresh_start = {k: v.clone() for k, v in stack.computer.state_dict().items()}
     loaded = stack.load(root)
     assert loaded is not None and loaded.global_step == 2  # PHASES = warm-up + 2 cycles begun
     after_load = stack.snapshot()
     stack.run(PHASES)
-    return {"loaded": after_load, "final": stack.snapshot(), "same_world": loaded.rank_state is not None}
+    return {"loaded": after_load, "final": stack.snapshot(), "same_world": loaded.rank_state is not None,
+            "fresh_start": fresh_start}  # fmt: skip
 
 
 def resume_with(rank: int, world_size: int, layout: str, root: str, overrides: dict) -> dict:

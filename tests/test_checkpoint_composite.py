@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import pytest
 import torch
 from composite_scenarios import resume_with, resumed, straight
 from dist_harness import run_ranks
+
+from verl_dmd.checkpoint.store import CheckpointStore
 
 pytestmark = pytest.mark.slow
 
@@ -54,7 +62,7 @@ def test_plan_drift_fails_before_loading_and_mutable_keys_pass(tmp_path):
 
 def test_resume_at_another_world_size_restores_weights_and_optimizers(tmp_path):
     """Saved at 2 ranks, resumed at 1: every saved tensor and counter comes back; the per-rank random
-    streams cannot map one to one, so they are not restored (documented)."""
+    streams cannot map one to one, so they are re-seeded from (seed, step, rank) instead (documented)."""
     root = str(tmp_path / "ckpt")
     first = run_ranks(straight, 2, tmp_path / "a", "independent", root)
     (second,) = run_ranks(resumed, 1, tmp_path / "b", "independent", root)
@@ -64,3 +72,45 @@ def test_resume_at_another_world_size_restores_weights_and_optimizers(tmp_path):
         assert loaded[part] == saved[part], part
     for key, tensor in saved["tensors"].items():
         assert torch.equal(loaded["tensors"][key], tensor), key
+    # The per-rank streams are re-seeded from (seed, step, rank): not a replay of the run's first draws.
+    for name, state in second["fresh_start"].items():
+        assert not torch.equal(loaded["computer"][name], state), name
+
+
+KILL_CHILD = textwrap.dedent(
+    """
+    import os, signal, sys
+    sys.path.insert(0, {tests!r})
+    import torch, torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    from composite_scenarios import PHASES, Stack
+    from verl_dmd.checkpoint.store import CheckpointStore
+
+    root, kill_at = sys.argv[1], sys.argv[2]
+    def hook(point):
+        if point == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+    stack = Stack(0, 1, "independent")
+    assert stack.load(root).global_step == 2
+    stack.run(PHASES)
+    stack.save(root, store=CheckpointStore(root, fault_hook=hook))
+    """
+)
+
+
+def test_training_continues_bitwise_after_a_save_is_killed(tmp_path):
+    """SIGKILL during the composite save (after the DCP files, the RNG files, the manifest, just before the
+    rename): `auto` then resumes the previous checkpoint, and the continued run equals an uninterrupted
+    one bit for bit (the store's own test kills at each of its 28 publication points)."""
+    root = str(tmp_path / "ckpt")
+    (first,) = run_ranks(straight, 1, tmp_path / "a", "independent", root)
+    code = KILL_CHILD.format(tests=str(Path(__file__).parent))
+    for point in ("engine", "rng", "manifest:write", "rename"):
+        result = subprocess.run([sys.executable, "-c", code, root, point], capture_output=True, text=True,
+                                timeout=300)  # fmt: skip
+        assert result.returncode == -signal.SIGKILL, (point, result.stderr[-3000:])
+        assert [p.name for p in Path(root).iterdir() if p.name.startswith(".staging-")], point
+        assert CheckpointStore(root).resolve("auto", hashes=True).global_step == 2, point
+    (second,) = run_ranks(resumed, 1, tmp_path / "b", "independent", root)  # asserts it loaded step 2
+    assert_equal_state(second["final"], first["final"], "after the killed saves")

@@ -584,14 +584,28 @@ class ExportSpec:
 
     role: Literal["student", "student_ema"] = "student_ema"
     """The role to export; the EMA is what published runs ship."""
-    formats: tuple[Literal["peft", "diffusers"], ...] = ("peft", "diffusers")
-    """peft: adapter directory; diffusers: merged model via save_pretrained."""
+    formats: tuple[Literal["peft", "diffusers", "pipeline"], ...] = ("peft", "diffusers")
+    """peft: adapter directory; diffusers: merged model via save_pretrained; pipeline: see pipeline_source."""
     output_dir: str | None = None
     """null means <trainer.output_dir>/export."""
+    pipeline_source: str | None = None
+    """Local diffusers pipeline directory (the teacher's) that the pipeline format copies, student merged in."""
 
     def validate(self, key: str) -> None:
         if not self.formats:
-            raise _error(f"{key}.formats", [], "must list at least one of: peft, diffusers")
+            raise _error(f"{key}.formats", [], "must list at least one of: peft, diffusers, pipeline")
+        if len(set(self.formats)) != len(self.formats):
+            raise _error(
+                f"{key}.formats", list(self.formats), "lists a format twice", "list each format once"
+            )
+        if "pipeline" in self.formats and not self.pipeline_source:
+            raise _error(
+                f"{key}.pipeline_source",
+                self.pipeline_source,
+                "the pipeline format copies a local diffusers pipeline directory",
+                f"set {key}.pipeline_source to the teacher's pipeline directory, or drop pipeline from "
+                f"{key}.formats",
+            )
 
 
 # --------------------------------------------------------------------------- the plan

@@ -51,6 +51,8 @@ class DistributionMatchingModelAdapter:
     model_class: ClassVar[type[nn.Module]]
     parameterization: ClassVar[str] = "velocity"
     default_lora_targets: ClassVar[tuple[str, ...]] = ("to_q", "to_k", "to_v", "to_out.0")
+    pipeline_component: ClassVar[str] = "transformer"
+    """The model's name in its diffusers pipeline (model_index.json; LoRA keys' prefix)."""
     tiny_config: ClassVar[dict[str, Any]] = {}
     """A config that builds in well under a second on a CPU: for tests, examples and smoke runs."""
 

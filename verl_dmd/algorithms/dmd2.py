@@ -258,3 +258,14 @@ class DMD2Computer:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.local.set_state(state["local"])
         self.shared.set_state(state["shared"])
+
+    def reseed(self, salt: int) -> None:
+        """New streams for a resume at another world size (the saved per-rank streams do not map).
+
+        Hashed from (seed, salt, rank), so they neither repeat the run's first draws
+        nor collide across ranks; the shared stream stays equal on every rank.
+        """
+        from verl_dmd.checkpoint.composite import stream_seed
+
+        self.local.manual_seed(stream_seed(self.seed, "dmd2.local", salt, self.rank))
+        self.shared.manual_seed(stream_seed(self.seed, "dmd2.shared", salt))

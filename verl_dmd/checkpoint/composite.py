@@ -15,6 +15,7 @@ Every function here is collective over the default process group.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from dataclasses import dataclass
@@ -33,6 +34,11 @@ RNG_DIR = "rng"
 TRAINER_STATE = "trainer_state.json"
 
 
+def checkpoint_root(plan) -> Path:
+    """Where this run's checkpoints live: checkpoint.root, else <trainer.output_dir>/checkpoints."""
+    return Path(plan.checkpoint.root or Path(plan.trainer.output_dir) / "checkpoints")
+
+
 def capture_rng() -> dict[str, torch.Tensor]:
     """This process's torch (CPU and CUDA), numpy and python RNG states, as tensors only."""
     state = {"torch": torch.get_rng_state()}
@@ -46,6 +52,38 @@ def capture_rng() -> dict[str, torch.Tensor]:
     state["python"] = torch.tensor([version, *internal], dtype=torch.int64)
     state["python_gauss"] = torch.tensor([float("nan") if gauss is None else gauss], dtype=torch.float64)
     return state
+
+
+def stream_seed(*parts: object) -> int:
+    """A 64-bit seed hashed from `parts` (torch's CPU generator keeps only a seed's low 32 bits, so
+    arithmetic on seeds can collide; hashing cannot in practice)."""
+    digest = hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def restore_rank_state(loaded: LoadedCheckpoint, *, seed: int, rank: int, computer=None) -> None:
+    """Put this rank's random streams where the checkpoint left them.
+
+    Same world size: the saved torch/numpy/python states and the computer's
+    generators (saved under ``computer.<name>`` keys) come back exactly. Another
+    world size: ranks do not map one to one, so every stream is re-seeded from
+    (trainer.seed, global step, rank): fresh draws, never a replay of the run's
+    first ones; such a resume is deterministic but not bitwise equal to an
+    uninterrupted run (its global batch differs anyway).
+    """
+    if loaded.rank_state is not None:
+        restore_rng(loaded.rank_state)
+        if computer is not None:
+            prefix = "computer."
+            computer.load_state_dict(
+                {k[len(prefix) :]: v for k, v in loaded.rank_state.items() if k.startswith(prefix)}
+            )
+        return
+    torch.manual_seed(stream_seed(seed, "torch", loaded.global_step, rank))
+    np.random.seed(stream_seed(seed, "numpy", loaded.global_step, rank) % 2**32)
+    random.seed(stream_seed(seed, "python", loaded.global_step, rank))
+    if computer is not None and hasattr(computer, "reseed"):
+        computer.reseed(loaded.global_step)
 
 
 def restore_rng(state: dict[str, torch.Tensor]) -> None:
@@ -79,11 +117,14 @@ def save_checkpoint(
     rank, world_size = dist.get_rank(), dist.get_world_size()
     staging = Path(_broadcast_path(str(store.begin(global_step)) if rank == 0 else None))
     save_engine(engine, staging / ENGINE_DIR)
+    store.fault("engine")
     (staging / RNG_DIR).mkdir(exist_ok=True)
     torch.save(rank_state, staging / RNG_DIR / f"rank_{rank}.pt")
+    store.fault("rng")
     if rank == 0:
         state = {"trainer": trainer_state, "schedule": schedule_state(engine)}
         (staging / TRAINER_STATE).write_text(json.dumps(state, sort_keys=True, indent=1) + "\n")
+        store.fault("trainer_state")
     dist.barrier()
     published = None
     if rank == 0:

@@ -93,12 +93,17 @@ def step_dir_name(global_step: int) -> str:
 class CheckpointStore:
     """The checkpoint root of one run; a single writer (the driver or rank 0) publishes into it.
 
-    `fault_hook(point)` is called at every step of `publish` (tests inject crashes there).
+    `fault_hook(point)` is called at every step of `publish`, and by writers into the
+    staging directory through `fault` (tests inject crashes there).
     """
 
     def __init__(self, root: str | Path, *, fault_hook: Callable[[str], None] | None = None) -> None:
         self.root = Path(root)
         self._fault = fault_hook or (lambda point: None)
+
+    def fault(self, point: str) -> None:
+        """A fault-injection point of a writer (no-op without a hook)."""
+        self._fault(point)
 
     # ------------------------------------------------------------------ writing
 

@@ -131,6 +131,9 @@ def load_peft_adapter_dir(model: nn.Module, path: str, adapter_name: str, spec: 
             "fix: set the plan's rank and alpha to the adapter's"
         )
     state = load_file(str(weights_file))
+    # PeftModel.save_pretrained (and verl-dmd-export) prefix keys with its wrappers' names.
+    prefix = "base_model.model."
+    state = {k[len(prefix) :] if k.startswith(prefix) else k: v for k, v in state.items()}
     result = set_peft_model_state_dict(model, state, adapter_name=adapter_name)
     unexpected = list(getattr(result, "unexpected_keys", []) or [])
     if unexpected:

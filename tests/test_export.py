@@ -1,0 +1,226 @@
+"""Export round trips: what verl-dmd-export writes loads with peft and diffusers and reproduces the role."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from dist_harness import run_ranks
+from export_scenarios import export_plan, fixed_inputs, train_and_save
+
+from verl_dmd.adapters import get_adapter
+from verl_dmd.checkpoint.export import (
+    DIFFUSERS_DIR,
+    DIFFUSERS_LORA_WEIGHTS,
+    EXPORT_INFO,
+    PEFT_DIR,
+    PIPELINE_DIR,
+    ExportError,
+    _sha256,
+    check_finite,
+    export_checkpoint,
+)
+from verl_dmd.checkpoint.store import CheckpointError
+
+TOLERANCE = 1e-5  # fp32, max abs error (the acceptance bound)
+
+
+def save_teacher(family: str, directory) -> str:
+    adapter = get_adapter(family)()
+    torch.manual_seed(3)
+    adapter.model_class.from_config(adapter.tiny_config).save_pretrained(str(directory))
+    return str(directory)
+
+
+def fake_pipeline(directory, teacher_dir) -> str:
+    """A diffusers pipeline directory: model_index.json, a scheduler and the teacher transformer."""
+    directory.mkdir()
+    index = {"_class_name": "StableDiffusion3Pipeline", "_diffusers_version": "0.42.1",
+             "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+             "transformer": ["diffusers", "SD3Transformer2DModel"]}  # fmt: skip
+    (directory / "model_index.json").write_text(json.dumps(index))
+    (directory / "scheduler").mkdir()
+    (directory / "scheduler" / "scheduler_config.json").write_text('{"shift": 3.0}')
+    os.symlink(teacher_dir, directory / "transformer")
+    return str(directory)
+
+
+def predict(family: str, model) -> torch.Tensor:
+    adapter = get_adapter(family)()
+    model.eval()
+    with torch.no_grad():
+        x, sigma, cond = fixed_inputs(adapter, model)
+        return adapter.predict(model, x, sigma, cond)
+
+
+def max_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().max())
+
+
+@pytest.mark.parametrize(("layout", "world_size"), [("shared_base_adapters", 2), ("independent", 1)])
+def test_lora_export_round_trips_through_peft_and_diffusers(tmp_path, layout, world_size):
+    """Both LoRA layouts: the exported adapter (PEFT's loader, diffusers' loader, our init_path loader),
+    the merged model and the pipeline's transformer each reproduce the in-trainer role."""
+    from diffusers import SD3Transformer2DModel
+    from peft import PeftModel
+
+    teacher_dir = save_teacher("sd3", tmp_path / "teacher")
+    pipeline = fake_pipeline(tmp_path / "pipeline_src", teacher_dir)
+    overrides = {"export.formats": ["peft", "diffusers", "pipeline"], "export.pipeline_source": pipeline}
+    trained = run_ranks(train_and_save, world_size, tmp_path / "run", "sd3", layout, teacher_dir,
+                        str(tmp_path / "ckpt"), overrides)[0]  # fmt: skip
+    plan = export_plan("sd3", layout, teacher_dir, **overrides)
+    want = trained["outputs"]
+    # The roles really differ, so picking the wrong one would fail the comparisons below.
+    assert max_error(want["student"], want["student_ema"]) > 100 * TOLERANCE
+    assert max_error(want["student"], want["teacher"]) > 100 * TOLERANCE
+
+    for role in ("student_ema", "student"):
+        out = export_checkpoint(
+            plan, trained["path"], role=role, output_dir=tmp_path / "export" / role, log=lambda _: None
+        )
+        peft_dir = out / PEFT_DIR
+        assert {p.name for p in peft_dir.iterdir()} == {"adapter_config.json", "adapter_model.safetensors",
+                                                        DIFFUSERS_LORA_WEIGHTS}  # fmt: skip
+        fresh = SD3Transformer2DModel.from_pretrained(teacher_dir)
+        assert max_error(predict("sd3", fresh), want["teacher"]) < TOLERANCE
+        with_peft = PeftModel.from_pretrained(fresh, str(peft_dir))
+        assert max_error(predict("sd3", with_peft.base_model.model), want[role]) < TOLERANCE, role
+
+        fresh = SD3Transformer2DModel.from_pretrained(teacher_dir)
+        fresh.load_lora_adapter(str(peft_dir), prefix="transformer", use_safetensors=True, adapter_name="dmd")
+        assert max_error(predict("sd3", fresh), want[role]) < TOLERANCE, role
+
+        merged = SD3Transformer2DModel.from_pretrained(str(out / DIFFUSERS_DIR))
+        assert not any("lora" in name for name, _ in merged.named_parameters())
+        assert max_error(predict("sd3", merged), want[role]) < TOLERANCE, role
+
+        index = json.loads((out / PIPELINE_DIR / "model_index.json").read_text())
+        assert index["dmd2_config"] == {"num_inference_steps": 1, "denoising_timesteps": [1000.0],
+                                        "solver": "sde", "guidance_scale": 1.0}  # fmt: skip
+        assert index["transformer"] == ["diffusers", "SD3Transformer2DModel"]
+        assert (out / PIPELINE_DIR / "scheduler" / "scheduler_config.json").read_text() == '{"shift": 3.0}'
+        in_pipeline = SD3Transformer2DModel.from_pretrained(str(out / PIPELINE_DIR), subfolder="transformer")
+        assert max_error(predict("sd3", in_pipeline), want[role]) < TOLERANCE, role
+
+        info = json.loads((out / EXPORT_INFO).read_text())
+        assert info["role"] == role and info["global_step"] == 2
+        for relative, digest in info["files"].items():
+            assert _sha256(out / relative) == digest, relative
+
+    # The exported adapter starts a new run: model.student.lora.init_path reads PEFT's key layout.
+    from verl_dmd.runtime.engine import _add_adapter, _lora_config, load_peft_adapter_dir
+
+    spec = plan.model.student.lora
+    fresh = SD3Transformer2DModel.from_pretrained(teacher_dir)
+    _add_adapter(fresh, _lora_config(spec, get_adapter("sd3").default_lora_targets), "student")
+    load_peft_adapter_dir(
+        fresh, str(tmp_path / "export" / "student" / PEFT_DIR), "student", spec, "model.student.lora"
+    )
+    assert max_error(predict("sd3", fresh), want["student"]) < TOLERANCE
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    """The digits model (DiT) fully fine-tuned in independent copies, saved at step 2."""
+    tmp_path = tmp_path_factory.mktemp("full")
+    teacher_dir = save_teacher("dit", tmp_path / "teacher")
+    overrides = {
+        "model.student.lora.rank": 0,
+        "model.fake_score.lora.rank": 0,
+        "export.formats": ["diffusers"],
+    }
+    (trained,) = run_ranks(train_and_save, 1, tmp_path / "run", "dit", "independent", teacher_dir,
+                           str(tmp_path / "ckpt"), overrides)  # fmt: skip
+    plan = export_plan("dit", "independent", teacher_dir, **overrides)
+    return tmp_path, teacher_dir, plan, trained
+
+
+def test_full_fine_tune_exports_the_merged_model_for_each_role(full_run):
+    from diffusers import DiTTransformer2DModel
+
+    tmp_path, _, plan, trained = full_run
+    want = trained["outputs"]
+    assert max_error(want["student"], want["student_ema"]) > 100 * TOLERANCE
+    for role in ("student_ema", "student"):
+        out = export_checkpoint(
+            plan, trained["path"], role=role, output_dir=tmp_path / role, log=lambda _: None
+        )
+        assert sorted(p.name for p in out.iterdir()) == [DIFFUSERS_DIR, EXPORT_INFO]
+        merged = DiTTransformer2DModel.from_pretrained(str(out / DIFFUSERS_DIR))
+        assert max_error(predict("dit", merged), want[role]) < TOLERANCE, role
+
+
+def test_export_refuses_bad_requests_with_one_line_errors(full_run):
+    tmp_path, teacher_dir, plan, trained = full_run
+    quiet = {"log": lambda _: None}
+    with pytest.raises(ExportError, match=r"export.formats.*peft format needs a LoRA student"):
+        export_checkpoint(plan, trained["path"], formats=("peft",), output_dir=tmp_path / "x", **quiet)
+    target = tmp_path / "taken"
+    export_checkpoint(plan, trained["path"], output_dir=target, **quiet)
+    with pytest.raises(ExportError, match="already exists; fix: remove it"):
+        export_checkpoint(plan, trained["path"], output_dir=target, **quiet)
+    drifted = export_plan("dit", "independent", teacher_dir, **{"model.student.lora.rank": 0,
+                          "model.fake_score.lora.rank": 0, "export.formats": ["diffusers"], "optim.student.lr": 0.5})  # fmt: skip
+    with pytest.raises(CheckpointError, match=r"optim.student.lr: checkpoint 0.001, now 0.5"):
+        export_checkpoint(drifted, trained["path"], output_dir=tmp_path / "y", **quiet)
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+    assert not [p for p in tmp_path.iterdir() if ".partial-" in p.name]
+
+
+def test_export_detects_a_damaged_checkpoint_file(full_run, tmp_path):
+    import shutil
+
+    _, _, plan, trained = full_run
+    copy = tmp_path / "global_step_2"
+    shutil.copytree(trained["path"], copy)
+    victim = next(p for p in sorted((copy / "engine").iterdir()) if p.suffix == ".distcp")
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    victim.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=victim.name):
+        export_checkpoint(plan, copy, output_dir=tmp_path / "out", log=lambda _: None)
+
+
+def test_non_finite_values_are_named():
+    check_finite({"a": torch.ones(3)}, "here")
+    with pytest.raises(ExportError, match=r"here: tensor b has 2 non-finite values"):
+        check_finite({"a": torch.ones(2), "b": torch.tensor([1.0, float("nan"), float("inf")])}, "here")
+
+
+def run_export_cli(config_dir, *overrides: str):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(sys.executable).parent / "verl-dmd-export"
+    return subprocess.run([str(script), "--config-path", str(config_dir), "--config-name", "run", *overrides],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "HYDRA_FULL_ERROR": "0"})  # fmt: skip
+
+
+def test_console_script_exports_the_newest_checkpoint_of_a_run(full_run):
+    """`verl-dmd-export` with the run's config: finds the newest checkpoint under checkpoint.root, exports
+    export.role; a run without checkpoints is a one-line error and exit code 2."""
+    from diffusers import DiTTransformer2DModel
+    from omegaconf import OmegaConf
+
+    tmp_path, _, plan, trained = full_run
+    config_dir = tmp_path / "config"
+    config_dir.mkdir()
+    config = {**plan.to_dict(), "hydra": {"run": {"dir": str(tmp_path / "hydra")}, "output_subdir": None}}
+    OmegaConf.save(OmegaConf.create(config), config_dir / "run.yaml")
+    root = os.path.dirname(trained["path"])
+    result = run_export_cli(config_dir, f"checkpoint.root={root}", f"trainer.output_dir={tmp_path / 'cli'}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = tmp_path / "cli" / "export" / "global_step_2" / "student_ema"
+    assert f"exported to {out}" in result.stdout
+    merged = DiTTransformer2DModel.from_pretrained(str(out / DIFFUSERS_DIR))
+    assert max_error(predict("dit", merged), trained["outputs"]["student_ema"]) < TOLERANCE
+
+    result = run_export_cli(config_dir, f"checkpoint.root={tmp_path / 'nothing'}")
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1].startswith("verl-dmd-export: error: no checkpoint under"), result.stderr
+    assert "Traceback" not in result.stderr
