@@ -101,3 +101,10 @@ def resume_with(rank: int, world_size: int, layout: str, root: str, overrides: d
         after = stack.snapshot()["tensors"]
         return {"error": str(err), "untouched": all(torch.equal(before[k], after[k]) for k in before)}
     return {"error": None, "step": stack.controller.global_step}
+
+
+def sharding_variant(rank: int, world_size: int, layout: str, overrides: dict) -> dict:
+    """PHASES phases under FSDP2 settings that must not change the math (units, resharding)."""
+    stack = Stack(rank, world_size, layout, **overrides)
+    stack.run(PHASES)
+    return stack.snapshot()

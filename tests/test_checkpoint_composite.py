@@ -114,3 +114,15 @@ def test_training_continues_bitwise_after_a_save_is_killed(tmp_path):
         assert CheckpointStore(root).resolve("auto", hashes=True).global_step == 2, point
     (second,) = run_ranks(resumed, 1, tmp_path / "b", "independent", root)  # asserts it loaded step 2
     assert_equal_state(second["final"], first["final"], "after the killed saves")
+
+
+@pytest.mark.parametrize("layout", ["shared_base_adapters", "independent"])
+def test_fsdp_granularity_and_resharding_do_not_change_the_math(tmp_path, layout):
+    """model.fsdp_units=model and model.reshard_after_forward=false (the digits recipe's speed settings)
+    give bit for bit the weights, EMA and optimizer states of the default sharding, on 2 ranks."""
+    from composite_scenarios import sharding_variant
+
+    (default, _) = run_ranks(sharding_variant, 2, tmp_path / "a", layout, {})
+    fast = {"model.fsdp_units": "model", "model.reshard_after_forward": False}
+    (variant, _) = run_ranks(sharding_variant, 2, tmp_path / "b", layout, fast)
+    assert_equal_state(variant, default, "fsdp_units=model, reshard_after_forward=false")

@@ -21,6 +21,11 @@ def run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT, timeout=300)
 
 
+def local_run(*overrides: str) -> subprocess.CompletedProcess:
+    """`verl-dmd --local` (the trainer with one rank in one process, no ray) on the digits recipe."""
+    return run("-m", "verl_dmd.main", "--local", *overrides)
+
+
 def table_rows(stdout: str, first_column: set[str]) -> list[list[str]]:
     return [
         line.split() for line in stdout.splitlines() if line.split()[:1] and line.split()[0] in first_column
@@ -39,15 +44,15 @@ def test_train_digits_teacher_writes_a_loadable_model_and_its_table(tmp_path):
 
 
 @pytest.mark.parametrize("gan", [False, True], ids=["recipe", "recipe+gan"])
-def test_distill_digits_runs_dmd2_cycles_and_writes_the_table(tmp_path, gan):
+def test_local_trainer_runs_dmd2_cycles_and_writes_the_table(tmp_path, gan):
     """Two DMD2 cycles of the recipe (optionally with the GAN terms on real digits) on a (random)
-    teacher, then the teacher/student/EMA table, samples and grids."""
+    teacher, without ray, then the teacher/student/EMA table, samples, grids, checkpoint and export."""
     torch.manual_seed(0)
     adapter = get_adapter("dit")()
     teacher = adapter.build_model(ModelSource(config=adapter.tiny_config))
     teacher.save_pretrained(tmp_path / "teacher")
     out = tmp_path / "out"
-    result = run("scripts/distill_digits.py", "--cycles", "2", "--eval-samples", "20", f"trainer.output_dir={out}",
+    result = local_run("trainer.total_steps=2", "validation.num_samples=20", f"trainer.output_dir={out}",
                  f"model.teacher.path={tmp_path / 'teacher'}", "algorithm.fake_warmup_steps=1",
                  *(["algorithm.gan_generator_weight=0.003", "algorithm.gan_discriminator_weight=0.01"] if gan else []))  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
@@ -64,34 +69,36 @@ def test_distill_digits_runs_dmd2_cycles_and_writes_the_table(tmp_path, gan):
                 i % 10 for i in range(20)
             ]
         assert (out / "samples" / f"{model}_{steps}step.png").is_file()
+    assert (out / "checkpoints" / "global_step_2" / "manifest.json").is_file()
+    assert (out / "export" / "global_step_2" / "student_ema" / "diffusers" / "config.json").is_file()
 
 
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("model.teacher.path=/no/such/teacher", "could not be loaded"),
+        ("model.teacher.path=/no/such/teacher", "no such local directory"),
         ("model.teacher.path=builtin:nope", "no shipped model named 'nope'"),
         ("algorithm.fake_update_ratio=0", "algorithm.fake_update_ratio"),
     ],
 )
-def test_distill_digits_bad_input_is_one_line(tmp_path, override, message):
+def test_local_trainer_bad_input_is_one_line(tmp_path, override, message):
     """A missing teacher or a bad key is a one-line usage error, not a traceback."""
-    result = run("scripts/distill_digits.py", f"trainer.output_dir={tmp_path}", override)
+    result = local_run(f"trainer.output_dir={tmp_path}", override)
     assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
 
 
-def test_distill_digits_rejects_a_damaged_pairs_file(tmp_path):
+def test_local_trainer_rejects_a_damaged_pairs_file(tmp_path):
     bad = tmp_path / "pairs.safetensors"
     bad.write_bytes(b"not a safetensors file")
-    result = run("scripts/distill_digits.py", f"trainer.output_dir={tmp_path}", "algorithm.regression_weight=1",
-                 f"data.regression_pairs_path={bad}")  # fmt: skip
+    result = local_run(f"trainer.output_dir={tmp_path}", "algorithm.regression_weight=1",
+                       f"data.regression_pairs_path={bad}")  # fmt: skip
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert (
         "data.regression_pairs_path" in result.stderr and "not a readable safetensors file" in result.stderr
     )
 
 
-def test_distill_digits_rejects_pairs_made_for_another_teacher(tmp_path):
+def test_local_trainer_rejects_pairs_made_for_another_teacher(tmp_path):
     """A pairs file records the teacher it was made with; another teacher's file is not used."""
     import safetensors.torch
 
@@ -99,7 +106,7 @@ def test_distill_digits_rejects_pairs_made_for_another_teacher(tmp_path):
              "cond.class_labels": torch.zeros(3, dtype=torch.int64)}  # fmt: skip
     path = tmp_path / "pairs.safetensors"
     safetensors.torch.save_file(pairs, path, metadata={"teacher_sha256": "0" * 64})
-    result = run("scripts/distill_digits.py", f"trainer.output_dir={tmp_path}", "algorithm.regression_weight=1",
-                 f"data.regression_pairs_path={path}")  # fmt: skip
+    result = local_run(f"trainer.output_dir={tmp_path}", "algorithm.regression_weight=1",
+                       f"data.regression_pairs_path={path}")  # fmt: skip
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "teacher_sha256 = '0000" in result.stderr and "delete the file to regenerate" in result.stderr

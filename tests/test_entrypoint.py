@@ -13,9 +13,11 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 
-def run_main(*args: str, tmp_path: Path) -> subprocess.CompletedProcess:
+def run_main(*args: str, tmp_path: Path, dry_run: bool = True) -> subprocess.CompletedProcess:
+    """The entry point; with dry_run it prints the plan and schedule instead of training."""
+    flags = ["--dry-run"] if dry_run else []
     return subprocess.run(
-        [sys.executable, "-m", "verl_dmd.main", f"trainer.output_dir={tmp_path / 'out'}", *args],
+        [sys.executable, "-m", "verl_dmd.main", *flags, f"trainer.output_dir={tmp_path / 'out'}", *args],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -33,8 +35,8 @@ def expected_schedule(k: int, warmup: int, n: int) -> list[str]:
     return sequence[:n]
 
 
-def test_default_recipe_prints_plan_and_schedule(tmp_path):
-    """The default recipe validates and prints the plan, its fingerprint and the schedule."""
+def test_dry_run_prints_plan_and_schedule(tmp_path):
+    """`--dry-run` validates the default recipe and prints the plan, its fingerprint and the schedule."""
     result = run_main(tmp_path=tmp_path)
     assert result.returncode == 0, result.stderr
     out = result.stdout
@@ -43,7 +45,7 @@ def test_default_recipe_prints_plan_and_schedule(tmp_path):
     assert len(fingerprint.split(": ")[1]) == 64
     schedule = next(line for line in out.splitlines() if line.startswith("first 16 phases"))
     assert schedule.split(": ", 1)[1].split() == expected_schedule(4, 10, 16)
-    assert "not implemented yet" in out  # it says plainly that it does not train through ray
+    assert not (tmp_path / "out" / "checkpoints").exists()  # nothing trained
 
 
 def test_override_changes_the_schedule(tmp_path):
@@ -63,11 +65,16 @@ def test_override_changes_the_schedule(tmp_path):
         ),
         ("+algorithm.fake_update_ration=5", "config key 'algorithm.fake_update_ration' is unknown"),
         ("optim.student.lr='1e-4'", "config key 'optim.student.lr' = '1e-4': must be a number"),
+        (
+            "model.teacher.path=/no/such/model",
+            "config key 'model.teacher.path' = '/no/such/model': no such local",
+        ),
     ],
 )
 def test_bad_config_is_one_line_error_without_traceback(override, needle, tmp_path):
-    """Plan errors exit with status 2 and one line on stderr, never a traceback."""
-    result = run_main(override, tmp_path=tmp_path)
+    """Plan errors exit with status 2 and one line on stderr, never a traceback, before ray starts
+    (the run is a real one, not a dry run)."""
+    result = run_main(override, tmp_path=tmp_path, dry_run=False)
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]

@@ -25,6 +25,8 @@ from verl_dmd.checkpoint.export import (
 from verl_dmd.checkpoint.store import CheckpointError
 
 TOLERANCE = 1e-5  # fp32, max abs error (the acceptance bound)
+NO_TEXT_OR_VAE = {name: None for name in ("vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2",
+                                          "text_encoder_3", "tokenizer_3")}  # fmt: skip
 
 
 def save_teacher(family: str, directory) -> str:
@@ -63,7 +65,7 @@ def max_error(got: torch.Tensor, want: torch.Tensor) -> float:
 def test_lora_export_round_trips_through_peft_and_diffusers(tmp_path, layout, world_size):
     """Both LoRA layouts: the exported adapter (PEFT's loader, diffusers' loader, our init_path loader),
     the merged model and the pipeline's transformer each reproduce the in-trainer role."""
-    from diffusers import SD3Transformer2DModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
     from peft import PeftModel
 
     teacher_dir = save_teacher("sd3", tmp_path / "teacher")
@@ -92,6 +94,12 @@ def test_lora_export_round_trips_through_peft_and_diffusers(tmp_path, layout, wo
         fresh = SD3Transformer2DModel.from_pretrained(teacher_dir)
         fresh.load_lora_adapter(str(peft_dir), prefix="transformer", use_safetensors=True, adapter_name="dmd")
         assert max_error(predict("sd3", fresh), want[role]) < TOLERANCE, role
+
+        # A pipeline's load_lora_weights picks diffusers' file from the directory by itself.
+        pipe = StableDiffusion3Pipeline(transformer=SD3Transformer2DModel.from_pretrained(teacher_dir),
+                                        scheduler=FlowMatchEulerDiscreteScheduler(), **NO_TEXT_OR_VAE)  # fmt: skip
+        pipe.load_lora_weights(str(peft_dir))
+        assert max_error(predict("sd3", pipe.transformer), want[role]) < TOLERANCE, role
 
         merged = SD3Transformer2DModel.from_pretrained(str(out / DIFFUSERS_DIR))
         assert not any("lora" in name for name, _ in merged.named_parameters())

@@ -60,7 +60,7 @@ def test_wheel_holds_config_and_recipes(installed_wheel, tmp_path):
 def test_installed_entry_point_composes_the_default_recipe(installed_wheel, tmp_path):
     """From outside the repo, the installed entry point composes the recipe through pkg:// paths."""
     result = run_installed(
-        installed_wheel, tmp_path, "-m", "verl_dmd.main", f"trainer.output_dir={tmp_path / 'o'}"
+        installed_wheel, tmp_path, "-m", "verl_dmd.main", "--dry-run", f"trainer.output_dir={tmp_path / 'o'}"
     )
     assert result.returncode == 0, result.stderr
     assert "plan fingerprint: " in result.stdout

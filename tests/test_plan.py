@@ -371,6 +371,8 @@ ALTERNATIVES = {
     "model.param_dtype": "bfloat16",
     "model.reduce_dtype": "bfloat16",
     "model.activation_checkpointing": True,
+    "model.fsdp_units": "model",
+    "model.reshard_after_forward": False,
     "model.teacher.path": None,  # changed as a whole source below
     "model.teacher.subfolder": None,
     "model.teacher.config": {"sample_size": 8, "num_layers": 3},
@@ -424,6 +426,8 @@ ALTERNATIVES = {
     "export.role": "student",
     "export.formats": ["diffusers"],
     "export.output_dir": "/export",
+    "export.pipeline_source": "/models/pipeline",
+    "export.at_end": False,
 }
 for _role in ("student", "fake_score"):
     for _name in ("micro_batch_size", "accumulation_steps"):
@@ -443,6 +447,8 @@ for _role in ("student", "fake_score"):
 
 # Keys whose alternative must be set together with others to stay valid.
 COMPANIONS = {
+    "data.name": {"data.path": "/data/emb"},  # the embeddings provider needs a path
+    "export.pipeline_source": {"export.formats": ["diffusers", "pipeline"]},
     "optim.student.scheduler.name": {"optim.student.scheduler.decay_steps": 100},
     "optim.student.scheduler.warmup_steps": {
         "optim.student.scheduler.name": "warmup_cosine",

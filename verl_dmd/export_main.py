@@ -29,6 +29,7 @@ def run(cfg: Any) -> int:
 
     try:
         plan = DistillationPlan.from_config(cfg)
+        plan.check_local_paths()
         resume = plan.checkpoint.resume
         if resume == "disable":
             raise ExportError(

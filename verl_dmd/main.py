@@ -2,9 +2,12 @@
 
 Recipes live in the packaged `recipes/` folder and are chosen with
 ``--config-name``; every key can be overridden with dotted ``key=value``
-arguments. Today the entry point resolves and validates the plan, prints it with
-its fingerprint and the first phases of the DMD2 schedule; training (the ray
-trainer) arrives with a later issue and is not faked here.
+arguments. The plan is built and validated before anything starts (a bad value
+is one line naming the key and exit code 2); then `DistillationRayTrainer` runs
+it on a ray worker group (``resources.nnodes`` x ``resources.workers_per_node``
+workers). ``--dry-run`` prints the resolved plan, its fingerprint and the first
+phases of the schedule, and stops; ``--local`` runs one rank in this process,
+without ray.
 """
 
 from __future__ import annotations
@@ -26,6 +29,21 @@ PREVIEW_PHASES = 16
 def available_recipes() -> list[str]:
     """Names accepted by ``--config-name`` from the packaged recipes."""
     return sorted(p.stem for p in recipes_dir().glob("*.yaml"))
+
+
+def compose_plan(
+    recipe: str = DEFAULT_RECIPE, overrides: list[str] | tuple[str, ...] = ()
+) -> DistillationPlan:
+    """The plan `verl-dmd --config-name <recipe> <overrides>` runs, composed without hydra's runtime
+    (for scripts and tests): the base config, the recipe over it, then the dotted overrides."""
+    from verl_dmd import config_dir
+
+    recipe_config = OmegaConf.load(recipes_dir() / f"{recipe}.yaml")
+    recipe_config.pop("defaults", None)
+    recipe_config.pop("hydra", None)
+    config = OmegaConf.merge(OmegaConf.load(config_dir() / "dmd2.yaml"), recipe_config)
+    config.merge_with_dotlist(list(overrides))
+    return DistillationPlan.from_config(config)
 
 
 def schedule_preview(plan: DistillationPlan, num_phases: int) -> list[str]:
@@ -55,37 +73,57 @@ def describe(plan: DistillationPlan) -> str:
     return "\n".join(lines)
 
 
-def run(cfg: Any) -> int:
+def run(cfg: Any, *, dry_run: bool = False, backend: str = "ray") -> int:
     """Build the plan from `cfg` and act on it; returns a process exit code."""
     try:
         plan = DistillationPlan.from_config(cfg)
+        if not dry_run:
+            plan.check_local_paths()
     except PlanError as err:
         print(f"verl-dmd: error: {err}", file=sys.stderr)
         return 2
-    print(describe(plan))
-    print(
-        "verl-dmd: training through ray is not implemented yet (the ray trainer is an open issue); this "
-        "run validated the plan and printed its schedule. The digits recipe trains without ray: "
-        "python scripts/distill_digits.py",
-        flush=True,
-    )
-    return 0
+    if dry_run:
+        print(describe(plan))
+        return 0
+    print(f"plan fingerprint: {plan.fingerprint()}", flush=True)
+    from verl_dmd.trainer.ray_trainer import DistillationRayTrainer
+
+    return DistillationRayTrainer(plan, backend=backend).fit()
+
+
+_FLAGS = {"--dry-run": False, "--local": False}
 
 
 @hydra.main(version_base=None, config_path="pkg://verl_dmd.recipes", config_name=DEFAULT_RECIPE)
 def _hydra_main(cfg: DictConfig) -> None:
-    code = run(cfg)
+    code = run(cfg, dry_run=_FLAGS["--dry-run"], backend="local" if _FLAGS["--local"] else "ray")
     if code:
         sys.exit(code)
 
 
 def cli() -> None:
-    """Console script `verl-dmd`: hydra's own flags plus ``--list-recipes``."""
+    """Console script `verl-dmd`: hydra's own flags plus ``--list-recipes``, ``--dry-run``, ``--local``."""
     if "--list-recipes" in sys.argv[1:]:
         print("recipes (use --config-name NAME):")
         for name in available_recipes():
             print(f"  {name}{'  (default)' if name == DEFAULT_RECIPE else ''}")
         return
+    if "--help" in sys.argv[1:] or "-h" in sys.argv[1:]:
+        print(
+            "verl-dmd: distribution-matching distillation (DMD2) of diffusion models on verl\n"
+            "  verl-dmd [--config-name RECIPE] [key=value ...]   train (resumes from checkpoint.resume=auto)\n"
+            "  verl-dmd --dry-run ...                            print the resolved plan and its schedule\n"
+            "  verl-dmd --local ...                              one rank in this process, without ray\n"
+            "  verl-dmd --list-recipes                           the packaged recipes\n"
+            "  verl-dmd-export [--config-name RECIPE] [key=value ...]   export a checkpoint for inference\n"
+            "recipes: " + ", ".join(available_recipes()) + f" (default {DEFAULT_RECIPE})\n"
+            "every key: docs/configuration.md; hydra's own help: verl-dmd --hydra-help"
+        )
+        return
+    for flag in _FLAGS:
+        if flag in sys.argv[1:]:
+            _FLAGS[flag] = True
+            sys.argv.remove(flag)
     _hydra_main()
 
 

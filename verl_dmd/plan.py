@@ -57,6 +57,8 @@ RESUME_MUTABLE_KEYS: tuple[str, ...] = (
     "trainer.rpc_timeout_s",
     "trainer.progress_bar",
     "model.activation_checkpointing",
+    "model.reshard_after_forward",
+    "model.fsdp_units",
     "model.teacher.cpu_offload",
     "resources",
     "checkpoint",
@@ -185,6 +187,12 @@ class ModelSpec:
     """Gradient reduction dtype; float32 keeps small LoRA gradients from rounding away."""
     activation_checkpointing: bool = False
     """Recompute block activations in backward to save memory (same math)."""
+    fsdp_units: Literal["blocks", "model"] = "blocks"
+    """FSDP2 units: blocks (each transformer block, as the adapter lists them) or model (one per model:
+    fewer, larger all-gathers; for small models and slow interconnects). Same math."""
+    reshard_after_forward: bool = True
+    """FSDP2: free gathered weights after each forward; false keeps them until the role changes (same math,
+    fewer all-gathers, more memory: for small models and slow interconnects)."""
     teacher: TeacherSpec = field(default_factory=TeacherSpec)
     student: TrainableModelSpec = field(default_factory=TrainableModelSpec)
     fake_score: TrainableModelSpec = field(default_factory=TrainableModelSpec)
@@ -461,6 +469,13 @@ class DataSpec:
     def validate(self, key: str) -> None:
         if not self.name:
             raise _error(f"{key}.name", self.name, "must name a data provider", "set data.name (e.g. digits)")
+        if self.name == "embeddings" and not self.path:
+            raise _error(
+                f"{key}.path",
+                self.path,
+                "the embeddings provider reads precomputed embeddings",
+                "set data.path to a safetensors file or directory (docs/quickstart.md)",
+            )
 
 
 @dataclass(frozen=True)
@@ -590,6 +605,8 @@ class ExportSpec:
     """null means <trainer.output_dir>/export."""
     pipeline_source: str | None = None
     """Local diffusers pipeline directory (the teacher's) that the pipeline format copies, student merged in."""
+    at_end: bool = True
+    """Export the final checkpoint when training completes (verl-dmd-export does it later otherwise)."""
 
     def validate(self, key: str) -> None:
         if not self.formats:
@@ -727,6 +744,48 @@ class DistillationPlan:
         """The nested dict of the keys that define training (RESUME_MUTABLE_KEYS removed)."""
         return _without_keys(self.to_dict(), RESUME_MUTABLE_KEYS)
 
+    def check_local_paths(self) -> None:
+        """Fail (one line naming the key) if a local input the run reads at start-up is missing.
+
+        Kept out of validation so a plan can be built where its files do not exist
+        (tests, a driver that only inspects it); the entry points call it before
+        starting any worker. Paths made by the run (pairs, outputs) are not checked.
+        """
+        from pathlib import Path
+
+        from verl_dmd.assets import resolve_model_path
+
+        fix_model = "point it at a local diffusers model directory (nothing is downloaded)"
+        for role in ("teacher", "student", "fake_score"):
+            spec = getattr(self.model, role)
+            if spec.path is None:
+                continue
+            key = f"model.{role}.path"
+            try:
+                folder = Path(resolve_model_path(spec.path)).expanduser()
+            except ValueError as err:
+                raise PlanError(f"config key '{key}' = {_show(spec.path)}: {err}") from None
+            if not folder.is_dir():
+                raise _error(key, spec.path, "no such local directory", fix_model)
+            if spec.subfolder and not (folder / spec.subfolder).is_dir():
+                raise _error(f"model.{role}.subfolder", spec.subfolder, f"no such folder in {spec.path}",
+                             "name the folder that holds the denoiser's config.json (e.g. transformer)")  # fmt: skip
+        for role in ("student", "fake_score"):
+            init = getattr(self.model, role).lora.init_path
+            if init and not (Path(init).expanduser() / "adapter_config.json").is_file():
+                raise _error(f"model.{role}.lora.init_path", init, "no adapter_config.json there",
+                             "point it at a PEFT adapter directory (e.g. an export's peft/ folder)")  # fmt: skip
+        if self.data.path and not Path(self.data.path).expanduser().exists():
+            raise _error(
+                "data.path", self.data.path, "no such file or directory", "point it at the prepared data"
+            )
+        if (
+            "pipeline" in self.export.formats
+            and not (Path(self.export.pipeline_source) / "model_index.json").is_file()
+        ):
+            raise _error("export.pipeline_source", self.export.pipeline_source, "no model_index.json there",
+                         "point it at the teacher's local diffusers pipeline directory")  # fmt: skip
+
     def fingerprint(self) -> str:
         """SHA-256 hex digest of canonical JSON (sorted keys) of `semantic_dict()`."""
         return fingerprint_of(self.semantic_dict())
@@ -790,6 +849,13 @@ def _check_float(key: str, value: float, allowed: str, *, low: float, closed: bo
 
 
 def _check_source(key: str, path: str | None, subfolder: str | None, config: Any, *, required: bool) -> None:
+    if required and not path and config is None:
+        raise _error(
+            f"{key}.path",
+            path,
+            "the teacher needs a source",
+            f"set {key}.path to a local diffusers model directory, or {key}.config to build one",
+        )
     if path is not None and not path:
         raise _error(f"{key}.path", path, "must be a local model directory or null")
     if path is not None and config is not None:

@@ -63,21 +63,37 @@ def few_step_sample(
     noise: torch.Tensor,
     cond: Mapping[str, Any],
     schedule: torch.Tensor | Sequence[float],
-    generator: torch.Generator,
+    generator: torch.Generator | Sequence[torch.Tensor],
 ) -> torch.Tensor:
-    """A few-step student's sample: x0 at each noise level of `schedule` (ending in 0), re-noised between."""
+    """A few-step student's sample: x0 at each noise level of `schedule` (ending in 0), re-noised between.
+
+    `generator` draws the fresh noise of each re-noising (float32, the batch's shape), or is the
+    list of those tensors drawn beforehand (one per intermediate level: `renoise_draws`), which
+    lets ranks sample parts of one batch exactly as one process samples all of it.
+    """
     schedule = torch.as_tensor(schedule, dtype=torch.float32)
     if schedule.ndim != 1 or schedule.numel() < 2 or float(schedule[-1]) != 0.0:
         raise ValueError(f"schedule = {schedule.tolist()}: must be 1-d, at least 2 levels, ending in 0")
+    drawn = None if isinstance(generator, torch.Generator) else list(generator)
+    if drawn is not None and len(drawn) != schedule.numel() - 2:
+        raise ValueError(f"{len(drawn)} re-noising tensors for a {schedule.numel() - 1}-step schedule")
     x_t = noise
     x0 = noise
-    for sigma, next_sigma in itertools.pairwise(schedule):
+    for index, (sigma, next_sigma) in enumerate(itertools.pairwise(schedule)):
         level = _levels(sigma, x_t)
         x0 = losses.x0_from_velocity(x_t, adapter.predict(module, x_t, level, cond), level)
         if float(next_sigma) > 0.0:
-            fresh = torch.randn(x0.shape, generator=generator, dtype=torch.float32).to(x0.device, x0.dtype)
-            x_t = losses.add_noise(x0, fresh, _levels(next_sigma, x0))
+            if drawn is None:
+                fresh = torch.randn(x0.shape, generator=generator, dtype=torch.float32)
+            else:
+                fresh = drawn[index]
+            x_t = losses.add_noise(x0, fresh.to(x0.device, x0.dtype), _levels(next_sigma, x0))
     return x0
+
+
+def renoise_draws(shape: Sequence[int], steps: int, generator: torch.Generator) -> list[torch.Tensor]:
+    """The fresh noise `few_step_sample` would draw from `generator` for a `steps`-step schedule."""
+    return [torch.randn(tuple(shape), generator=generator, dtype=torch.float32) for _ in range(steps - 1)]
 
 
 def even_schedule(steps: int, shift: float = 1.0) -> torch.Tensor:

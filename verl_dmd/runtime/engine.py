@@ -260,7 +260,12 @@ class RoleEngine:
             param_dtype=param_dtype if mixed else None,
             reduce_dtype=None if not mixed and reduce_dtype is torch.float32 else reduce_dtype,
         )
-        kwargs = {"mesh": self.mesh, "mp_policy": mp_policy}
+        kwargs = {
+            "mesh": self.mesh,
+            "mp_policy": mp_policy,
+            # The engine reshards every unit itself whenever the role changes (use_role / trainable).
+            "reshard_after_forward": self.plan.model.reshard_after_forward,
+        }
         if offload and self.plan.model.teacher.cpu_offload:
             # pin_memory needs an accelerator (TRAPS: CPUOffloadPolicy on CPU).
             kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
@@ -271,7 +276,7 @@ class RoleEngine:
 
             units = set(map(id, self.adapter.fsdp_units(model)))
             apply_activation_checkpointing(model, check_fn=lambda m: id(m) in units)
-        units = list(self.adapter.fsdp_units(model))
+        units = list(self.adapter.fsdp_units(model)) if self.plan.model.fsdp_units == "blocks" else []
         if hasattr(model, GAN_HEAD):
             units.append(getattr(model, GAN_HEAD))
         for unit in units:

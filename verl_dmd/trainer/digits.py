@@ -1,0 +1,193 @@
+"""The digits data provider and validator, driver side: they ask the worker group to sample.
+
+- `DigitsProvider`: class labels, starting noise, the regression term's teacher
+  pairs (made by the teacher through the workers on first use, kept at
+  ``data.regression_pairs_path``) and, for the GAN term, real digits; global
+  batches by position (`DigitsConditionStream`), so the state is one integer and
+  the batches do not depend on the world size.
+- `DigitsValidator`: the quality table (digits-FID and class accuracy against
+  the held-out split) of the teacher (Euler, 1 to 32 steps) and of the student
+  roles (1 step and the trained step count), sample grids and .npz files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import safetensors
+import safetensors.torch
+import torch
+
+from verl_dmd.data.digits import IMAGE_SHAPE, DigitsConditionStream, check_pairs, load_digits_splits
+
+PAIR_STEPS = 32
+"""Euler steps of the teacher samples the regression term regresses on."""
+
+
+def teacher_guidance(plan) -> float:
+    """The teacher's CFG scale in the standard form (what the DMD term's teacher uses)."""
+    alg = plan.algorithm
+    return alg.teacher_guidance_scale + (1.0 if alg.cfg_form == "conditional_offset" else 0.0)
+
+
+def teacher_digest(plan) -> str:
+    """SHA-256 over the teacher's weight files (what the pairs depend on), or its config when built from one."""
+    from verl_dmd.adapters.base import plain
+    from verl_dmd.assets import resolve_model_path
+
+    source = plan.model.teacher
+    if source.path is None:
+        return (
+            "config:" + hashlib.sha256(json.dumps(plain(source.config), sort_keys=True).encode()).hexdigest()
+        )
+    folder = Path(resolve_model_path(source.path)) / (source.subfolder or "")
+    digest = hashlib.sha256()
+    for file in sorted([*folder.glob("*.safetensors"), *folder.glob("*.bin")]):
+        digest.update(file.name.encode())
+        digest.update(file.read_bytes())
+    return digest.hexdigest()
+
+
+def regression_pairs(plan, group, labels: torch.Tensor, null_class: int, log: Callable[[str], None]):
+    """The regression term's (noise, teacher sample) pairs: read from data.regression_pairs_path, or made
+    there by the teacher (32 Euler steps, one pair per training label, split over the ranks) when the
+    file does not exist yet. A file made for another teacher, seed or guidance is a one-line error."""
+    path = Path(plan.data.regression_pairs_path)
+    expected = {
+        "teacher_sha256": teacher_digest(plan),
+        "euler_steps": str(PAIR_STEPS),
+        "seed": str(plan.trainer.seed),
+        "guidance": str(teacher_guidance(plan)),
+    }
+    if path.is_file():
+        try:
+            with safetensors.safe_open(path, framework="pt") as handle:
+                metadata = handle.metadata() or {}
+            pairs = safetensors.torch.load_file(path)
+        except Exception as err:  # safetensors raises several types for a damaged file
+            raise ValueError(
+                f"config key 'data.regression_pairs_path' = {str(path)!r}: not a readable safetensors file "
+                f"({err}); fix: delete it to regenerate, or point the key at a digits pairs file"
+            ) from None
+        for key, want in expected.items():
+            if key in metadata and metadata[key] != want:
+                raise ValueError(
+                    f"config key 'data.regression_pairs_path' = {str(path)!r} was made with {key} = "
+                    f"{metadata[key]!r}, this run has {want!r}; fix: delete the file to regenerate it, or use "
+                    "another path"
+                )
+        pairs = check_pairs(pairs, repr(str(path)))
+        log(f"regression pairs: {path} ({pairs['noise'].shape[0]} pairs)")
+        return pairs
+    started = time.perf_counter()
+    labels = labels.to(torch.int64)
+    generator = torch.Generator().manual_seed(plan.trainer.seed + 7919)
+    noise = torch.randn(labels.shape[0], *IMAGE_SHAPE, generator=generator)
+    guidance = teacher_guidance(plan)
+    uncond = {"class_labels": torch.full_like(labels, null_class)} if guidance != 1.0 else None
+    target = group.euler(
+        "teacher", noise, {"class_labels": labels}, PAIR_STEPS, guidance=guidance, uncond=uncond
+    )
+    pairs = {"noise": noise, "target": target, "cond.class_labels": labels}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    safetensors.torch.save_file(pairs, staging, metadata=expected)
+    os.replace(staging, path)  # readers never see a half-written file
+    log(
+        f"regression pairs: {len(labels)} teacher samples ({PAIR_STEPS} Euler steps) in "
+        f"{time.perf_counter() - started:.1f} s, saved to {path}"
+    )
+    return pairs
+
+
+class DigitsProvider:
+    """Global batches of the digits run; `state_dict` is its position (checkpointed)."""
+
+    def __init__(self, plan, group, info: dict[str, Any], log: Callable[[str], None] = print) -> None:
+        train_split, _ = load_digits_splits(seed=0)
+        null_class = info["null_class"]
+        if null_class is None:
+            raise ValueError(
+                f"config key 'data.name' = 'digits': model adapter {plan.model.adapter!r} has no class "
+                "conditioning; fix: model.adapter=dit"
+            )
+        pairs = (
+            regression_pairs(plan, group, train_split.labels, null_class, log)
+            if plan.algorithm.regression_weight > 0
+            else None
+        )
+        self.stream = DigitsConditionStream(
+            train_split.labels,
+            null_class=null_class,
+            seed=plan.trainer.seed,
+            pairs=pairs,
+            real=train_split if plan.algorithm.gan_discriminator_weight > 0 else None,
+        )
+
+    def next_batch(self, size: int) -> dict[str, torch.Tensor]:
+        return self.stream.next_batch(size)
+
+    def state_dict(self) -> dict[str, int]:
+        return self.stream.state_dict()
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.stream.load_state_dict(state)
+
+
+class DigitsValidator:
+    """The digits quality table of the roles in validation.roles, sampled through the worker group."""
+
+    def __init__(self, plan, group, info: dict[str, Any]) -> None:
+        self.plan, self.group, self.info = plan, group, info
+        self._evaluation_parts = None
+
+    def _parts(self):
+        if self._evaluation_parts is None:
+            from verl_dmd.eval.digits_classifier import train_digits_classifier
+
+            train_split, holdout = load_digits_splits(seed=0)
+            self._evaluation_parts = (train_digits_classifier(train_split, seed=0), holdout)
+        return self._evaluation_parts
+
+    def run(self, out_dir: Path) -> tuple[str, dict[str, float], list]:
+        """Sample and score every row; write samples under `out_dir`; returns (table, metrics, rows)."""
+        from verl_dmd.eval.digits_report import TEACHER_STEPS, DigitsEvaluation, format_table
+        from verl_dmd.eval.sampling import even_schedule, renoise_draws
+
+        classifier, holdout = self._parts()
+        plan = self.plan
+        evaluation = DigitsEvaluation(
+            classifier, holdout, num_samples=plan.validation.num_samples, out_dir=out_dir
+        )
+        cond = {"class_labels": evaluation.labels}
+        guidance = teacher_guidance(plan)
+        uncond = {"class_labels": torch.full_like(evaluation.labels, self.info["null_class"])}
+        rows = []
+        roles = plan.validation.roles
+        if "teacher" in roles:
+            for steps in TEACHER_STEPS:
+                images = self.group.euler("teacher", evaluation.noise, cond, steps, guidance=guidance,
+                                          uncond=uncond if guidance != 1.0 else None)  # fmt: skip
+                rows.append(evaluation.row("teacher", "euler", steps, images))
+        trained = plan.algorithm.student_steps
+        for role in (r for r in ("student", "student_ema") if r in roles):
+            for steps in sorted({1, trained, *plan.validation.sampling_steps}):
+                schedule = (
+                    self.info["student_schedule"]
+                    if steps == trained
+                    else even_schedule(steps, plan.algorithm.sigma_shift).tolist()
+                )
+                renoise = renoise_draws(evaluation.noise.shape, steps, evaluation.renoise_generator())
+                images = self.group.few_step(role, evaluation.noise, cond, schedule, renoise)
+                rows.append(evaluation.row(role, "few-step", steps, images))
+        metrics = {}
+        for row in rows:
+            metrics[f"val/{row.model}_{row.steps}step/fid"] = row.fid
+            metrics[f"val/{row.model}_{row.steps}step/accuracy"] = row.accuracy
+        return format_table(rows), metrics, rows

@@ -1,0 +1,235 @@
+"""The driver's view of the ranks: one blocking call per operation, per-rank results, named failures.
+
+- `DiffusionDistillationWorkerGroup`: ray actors through verl's
+  `RayResourcePool` / `RayWorkerGroup` (on CPU: ``use_gpu=False``,
+  ``max_colocate_count=1``, TRAPS.md). Each call waits on every rank's future
+  with ``trainer.rpc_timeout_s``; the first rank that raises ends the call with
+  `WorkerError` naming the rank and the original exception, a rank that dies is
+  named too, and ranks that do not answer in time end it with `WorkerTimeout`.
+  After any of these the group kills its actors (a surviving rank may be stuck
+  in a collective with the failed one).
+- `LocalWorkerGroup`: one rank in this process (a gloo group on an in-process
+  store), the same interface without ray: tests, debugging, and single-GPU runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+import torch
+
+from verl_dmd.workers.worker import split_for_ranks
+
+
+class WorkerError(RuntimeError):
+    """A worker call failed on a rank; the message names the rank and the original error."""
+
+
+class WorkerTimeout(WorkerError):
+    """A worker call was not answered by every rank within trainer.rpc_timeout_s."""
+
+
+def _pad_to_multiple(value: Any, multiple: int) -> tuple[Any, int]:
+    """Pad every tensor of `value` (dicts and lists of tensors too) along dim 0 by repeating its last row."""
+    sizes = set()
+
+    def visit(v):
+        if isinstance(v, torch.Tensor):
+            sizes.add(v.shape[0])
+        elif isinstance(v, dict):
+            for x in v.values():
+                visit(x)
+        elif isinstance(v, list | tuple):
+            for x in v:
+                visit(x)
+
+    visit(value)
+    if not sizes:
+        return value, 0
+    (size,) = sizes
+    pad = -size % multiple
+
+    def padded(v):
+        if isinstance(v, torch.Tensor):
+            return torch.cat([v, v[-1:].expand(pad, *v.shape[1:])]) if pad else v
+        if isinstance(v, dict):
+            return {k: padded(x) for k, x in v.items()}
+        if isinstance(v, list | tuple):
+            return [padded(x) for x in v]
+        return v
+
+    return padded(value), pad
+
+
+class _SamplingMixin:
+    """Sampling calls split over ranks (padded to a multiple of the world size, trimmed after)."""
+
+    world_size: int
+
+    def _split_call(self, method: str, tensors: dict[str, Any], rest: dict[str, Any]) -> torch.Tensor:
+        padded, pad = _pad_to_multiple(tensors, self.world_size)
+        parts = self._call(method, **padded, **rest)
+        out = torch.cat(parts)
+        return out[: out.shape[0] - pad] if pad else out
+
+    def euler(self, role, noise, cond, steps, *, guidance=1.0, uncond=None, chunk=512) -> torch.Tensor:
+        tensors = {"noise": noise, "cond": cond, **({"uncond": uncond} if uncond is not None else {})}
+        return self._split_call("euler", tensors, {"role": role, "steps": steps, "guidance": guidance,
+                                                    "chunk": chunk})  # fmt: skip
+
+    def few_step(self, role, noise, cond, schedule, renoise) -> torch.Tensor:
+        tensors = {"noise": noise, "cond": cond, "renoise": list(renoise)}
+        return self._split_call("few_step", tensors, {"role": role, "schedule": [float(s) for s in schedule]})
+
+
+class DiffusionDistillationWorkerGroup(_SamplingMixin):
+    """`world_size` ray workers (``resources.nnodes`` x ``resources.workers_per_node``) for one plan."""
+
+    def __init__(self, plan, *, worker_cls=None, device: str = "cpu") -> None:
+        import ray
+        from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+
+        from verl_dmd.workers.worker import DiffusionDistillationWorker
+
+        self.plan = plan
+        self.world_size = plan.resources.world_size
+        self.timeout = plan.trainer.rpc_timeout_s
+        use_gpu = device == "cuda"
+        pool = RayResourcePool(
+            process_on_nodes=[plan.resources.workers_per_node] * plan.resources.nnodes,
+            use_gpu=use_gpu,
+            max_colocate_count=1,  # the default 10 asks for 10 CPUs per bundle: a hang on small machines
+        )
+        cls = ray.remote(worker_cls or DiffusionDistillationWorker)
+        config = plan.to_dict()
+        self.group = RayWorkerGroup(
+            resource_pool=pool, ray_cls_with_init=RayClassWithInitArgs(cls=cls, plan_config=config),
+            device_name="cuda" if use_gpu else "cpu",
+        )  # fmt: skip
+        self._closed = False
+
+    # ------------------------------------------------------------------ calls
+
+    def _call(self, method: str, *args, **kwargs) -> list[Any]:
+        if self._closed:
+            raise WorkerError(f"call {method}: the worker group was shut down after an earlier failure")
+        futures = getattr(self.group, method)(*args, **kwargs)
+        return self._wait(method, futures)
+
+    def _wait(self, method: str, futures: list) -> list[Any]:
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+        index = {ref: rank for rank, ref in enumerate(futures)}
+        results: dict[int, Any] = {}
+        pending = list(futures)
+        deadline = time.monotonic() + self.timeout
+        while pending:
+            remaining = deadline - time.monotonic()
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, remaining))
+            if not ready:
+                late = sorted(index[ref] for ref in pending)
+                self.kill()
+                raise WorkerTimeout(
+                    f"worker call {method}: rank(s) {late} did not answer within trainer.rpc_timeout_s = "
+                    f"{self.timeout:g} s; the workers were stopped"
+                )
+            for ref in ready:
+                rank = index[ref]
+                try:
+                    results[rank] = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+                except RayTaskError as err:
+                    cause = err.cause if getattr(err, "cause", None) is not None else err
+                    self.kill()
+                    raise WorkerError(
+                        f"worker call {method} failed on rank {rank}: {type(cause).__name__}: "
+                        f"{str(cause).strip().splitlines()[-1] if str(cause).strip() else ''}"
+                    ) from cause
+                except RayActorError as err:
+                    self.kill()
+                    raise WorkerError(
+                        f"worker call {method}: rank {rank} died ({type(err).__name__})"
+                    ) from err
+                except GetTimeoutError:
+                    self.kill()
+                    raise WorkerTimeout(f"worker call {method}: rank {rank} timed out") from None
+        return [results[r] for r in range(len(futures))]
+
+    def kill(self) -> None:
+        import ray
+
+        self._closed = True
+        for worker in getattr(self.group, "_workers", []):
+            with contextlib.suppress(Exception):  # already gone
+                ray.kill(worker, no_restart=True)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        try:
+            self._call("shutdown")
+        finally:
+            self.kill()
+
+    # ------------------------------------------------------------------ operations
+
+    def init_model(self) -> list[dict[str, Any]]:
+        return self._call("init_model")
+
+    def run_phase(self, request, batch) -> list[dict[str, Any]]:
+        return self._call("run_phase", request, batch)
+
+    def save_checkpoint(self, global_step: int, trainer_state: dict[str, Any]) -> str:
+        return self._call("save_checkpoint", global_step, trainer_state)[0]
+
+    def load_checkpoint(self) -> dict[str, Any] | None:
+        return self._call("load_checkpoint")[0]
+
+
+class LocalWorkerGroup(_SamplingMixin):
+    """One rank in this process: the same calls as the ray group, without ray."""
+
+    world_size = 1
+
+    def __init__(self, plan, *, device: str = "cpu") -> None:
+        import torch.distributed as dist
+
+        self.plan = plan
+        self._owns_group = not dist.is_initialized()
+        if self._owns_group:
+            # An in-process store: no port, so concurrent runs never collide.
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        self._device = device
+        self.session = None
+
+    def _call(self, method: str, *args, **kwargs) -> list[Any]:
+        args = [split_for_ranks(a, 1)[0] for a in args]
+        kwargs = {k: split_for_ranks(v, 1)[0] for k, v in kwargs.items()}
+        return [getattr(self.session, method)(*args, **kwargs)]
+
+    def init_model(self) -> list[dict[str, Any]]:
+        from verl_dmd.workers.session import RankSession
+
+        self.session = RankSession(self.plan, rank=0, world_size=1, device=self._device)
+        return [self.session.describe()]
+
+    def run_phase(self, request, batch) -> list[dict[str, Any]]:
+        return [self.session.run_phase(request, batch)]
+
+    def save_checkpoint(self, global_step: int, trainer_state: dict[str, Any]) -> str:
+        return self.session.save_checkpoint(global_step, trainer_state)
+
+    def load_checkpoint(self) -> dict[str, Any] | None:
+        return self.session.load_checkpoint()
+
+    def kill(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self._owns_group = False

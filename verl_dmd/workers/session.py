@@ -1,0 +1,142 @@
+"""What one rank holds for a run and the operations the driver asks of it.
+
+`RankSession` is plain Python over an initialised process group: the verl worker
+(`verl_dmd.workers.worker`) wraps each method as a registered RPC, and the
+in-process group (`verl_dmd.workers.group.LocalWorkerGroup`) calls it directly.
+Every method is collective: all ranks call it with their part of the inputs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from verl_dmd.phases import PhaseRequest, Role
+
+
+def resolve_device(plan, local_rank: int = 0) -> torch.device:
+    """`resources.device` as a torch device (auto: this rank's GPU when torch sees one, else CPU)."""
+    wanted = plan.resources.device
+    if wanted == "auto":
+        wanted = "cuda" if torch.cuda.is_available() else "cpu"
+    if wanted == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                "config key 'resources.device' = 'cuda': torch sees no GPU on this worker; fix: "
+                "resources.device=cpu (or auto)"
+            )
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class RankSession:
+    """The engine, the phase computer and the runtime of one rank, built from the plan."""
+
+    def __init__(self, plan, *, rank: int, world_size: int, device: torch.device | str = "cpu") -> None:
+        from verl_dmd.adapters import get_adapter
+        from verl_dmd.runtime.engine import RoleEngine
+        from verl_dmd.runtime.runtime import DistillationRoleRuntime
+
+        self.plan = plan
+        self.rank, self.world_size = rank, world_size
+        self.adapter = get_adapter(plan.model.adapter)()
+        self.engine = RoleEngine(plan, self.adapter, device=device)
+        self.computer = self.adapter.build_distribution_matching_computer(plan.model, plan, rank=rank)
+        self.runtime = DistillationRoleRuntime(self.engine, self.computer)
+
+    def describe(self) -> dict[str, Any]:
+        """What the driver needs to know about the model: its null class (if any), bytes per role."""
+        teacher = self.engine.module_for(Role.TEACHER)
+        null_class = self.adapter.null_class(teacher) if hasattr(self.adapter, "null_class") else None
+        return {
+            "rank": self.rank,
+            "device": str(self.engine.device),
+            "null_class": null_class,
+            "parameter_bytes": self.engine.parameter_bytes(),
+            "student_schedule": [float(s) for s in getattr(self.computer, "schedule", [])],
+        }
+
+    def run_phase(self, request: PhaseRequest, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+        return self.runtime.run_phase(request, batch)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self, global_step: int, trainer_state: dict[str, Any]) -> str:
+        from verl_dmd.checkpoint.composite import capture_rng, checkpoint_root, save_checkpoint
+        from verl_dmd.checkpoint.store import CheckpointStore
+
+        rank_state = {**capture_rng(), **{f"computer.{k}": v for k, v in self.computer.state_dict().items()}}
+        path = save_checkpoint(
+            CheckpointStore(checkpoint_root(self.plan)),
+            self.engine,
+            self.plan,
+            global_step=global_step,
+            trainer_state=trainer_state,
+            rank_state=rank_state,
+        )
+        return str(path)
+
+    def load_checkpoint(self) -> dict[str, Any] | None:
+        """Resolve checkpoint.resume and load it; the driver's part of the state comes back as a dict."""
+        from verl_dmd.checkpoint.composite import checkpoint_root, load_checkpoint, restore_rank_state
+        from verl_dmd.checkpoint.store import CheckpointStore
+
+        loaded = load_checkpoint(CheckpointStore(checkpoint_root(self.plan)), self.engine, self.plan)
+        if loaded is None:
+            return None
+        restore_rank_state(loaded, seed=self.plan.trainer.seed, rank=self.rank, computer=self.computer)
+        return {
+            "path": str(loaded.path),
+            "global_step": loaded.global_step,
+            "trainer_state": loaded.trainer_state,
+            "saved_world_size": loaded.saved_world_size,
+        }
+
+    # ------------------------------------------------------------------ sampling
+
+    def euler(
+        self,
+        role: str,
+        noise: torch.Tensor,
+        cond: dict[str, torch.Tensor],
+        steps: int,
+        guidance: float = 1.0,
+        uncond: dict[str, torch.Tensor] | None = None,
+        chunk: int = 512,
+    ) -> torch.Tensor:
+        """Euler samples of `role` (the teacher's ODE sampler) for this rank's part, `chunk` at a time."""
+        from verl_dmd.eval.sampling import euler_sample
+
+        out = []
+        with self.engine.use_role(Role(role)) as module:
+            for start in range(0, noise.shape[0], chunk):
+                part = slice(start, start + chunk)
+                out.append(
+                    euler_sample(
+                        self.adapter, module, noise[part].to(self.engine.device),
+                        {k: v[part].to(self.engine.device) for k, v in cond.items()}, steps, guidance=guidance,
+                        uncond=None if uncond is None else {k: v[part].to(self.engine.device)
+                                                            for k, v in uncond.items()},
+                    ).cpu()
+                )  # fmt: skip
+        return torch.cat(out)
+
+    def few_step(
+        self,
+        role: str,
+        noise: torch.Tensor,
+        cond: dict[str, torch.Tensor],
+        schedule: list[float],
+        renoise: list[torch.Tensor],
+    ) -> torch.Tensor:
+        """A few-step student sample of `role` for this rank's part, with pre-drawn re-noising."""
+        from verl_dmd.eval.sampling import few_step_sample
+
+        device = self.engine.device
+        with self.engine.use_role(Role(role)) as module:
+            return few_step_sample(
+                self.adapter, module, noise.to(device), {k: v.to(device) for k, v in cond.items()},
+                torch.tensor(schedule), [r.to(device) for r in renoise],
+            ).cpu()  # fmt: skip
