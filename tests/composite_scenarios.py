@@ -31,8 +31,10 @@ class Stack:
         self.controller = DistillationController(fake_update_ratio=2, fake_warmup_steps=1)
         self.stream = DigitsConditionStream(torch.arange(50) % 10, null_class=10, seed=self.plan.trainer.seed)
 
-    def run(self, phases: int) -> None:
+    def run(self, phases: int, between=None) -> None:
         for _ in range(phases):
+            if between is not None:
+                between()
             role = self.controller.next_phase()
             step = self.controller.student_steps if role is Role.STUDENT else self.controller.fake_steps
             request = PhaseRequest(role=role, global_step=self.controller.global_step, role_step=step,
@@ -107,4 +109,60 @@ def sharding_variant(rank: int, world_size: int, layout: str, overrides: dict) -
     """PHASES phases under FSDP2 settings that must not change the math (units, resharding)."""
     stack = Stack(rank, world_size, layout, **overrides)
     stack.run(PHASES)
+    return stack.snapshot()
+
+
+def describe_state(engine, offloader) -> dict:
+    """Everything sleep/wake must preserve, as comparable values (object identities included)."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for params in engine.params.values() for p in params] + list(engine.frozen_params)
+    tensors = offloader.state_tensors()
+    groups: dict[int, list[int]] = {}
+    for index, tensor in enumerate(tensors):
+        groups.setdefault(tensor.untyped_storage().data_ptr(), []).append(index)
+    return {
+        "param_ids": [id(p) for p in params],
+        "optimizer_bindings": [[id(p) for group in opt.param_groups for p in group["params"]] + [id(k) for k in opt.state]
+                               for opt in engine.optimizers.values()],
+        "specs": [(str(p.placements), tuple(p.device_mesh.shape), tuple(p.shape), p.stride()) if isinstance(p, DTensor)
+                  else None for p in params],
+        "requires_grad": [p.requires_grad for p in params],
+        "locals": [(tuple(t.shape), t.stride(), str(t.dtype), t.storage_offset(), t.untyped_storage().nbytes())
+                   for t in tensors],
+        "aliasing": sorted(groups.values()),
+        "values": [t.detach().clone() for t in tensors],
+    }  # fmt: skip
+
+
+def sleep_wake(rank: int, world_size: int, layout: str, every_phase: bool) -> dict:
+    """PHASES phases, a sleep/wake round trip checked field by field, then PHASES more phases (with a
+    sleep/wake before each when `every_phase`)."""
+    from verl_dmd.runtime.offload import StateOffloader
+
+    stack = Stack(rank, world_size, layout)
+    offloader = StateOffloader(stack.engine)
+    stack.run(PHASES)
+    before = describe_state(stack.engine, offloader)
+    info = offloader.sleep()
+    freed = all(t.untyped_storage().nbytes() == 0 for t in offloader.state_tensors())
+    grads_dropped = all(p.grad is None for params in stack.engine.params.values() for p in params)
+    offloader.wake()
+    after = describe_state(stack.engine, offloader)
+    mismatches = [k for k in before if k != "values" and before[k] != after[k]]
+    mismatches += [f"values[{i}]" for i, (a, b) in enumerate(zip(before["values"], after["values"], strict=True))
+                   if not torch.equal(a, b)]  # fmt: skip
+
+    def round_trip():
+        offloader.sleep()
+        offloader.wake()
+
+    stack.run(PHASES, between=round_trip if every_phase else None)
+    return {"mismatches": mismatches, "freed": freed, "grads_dropped": grads_dropped, "bytes": info["bytes"],
+            "final": stack.snapshot()}  # fmt: skip
+
+
+def plain_run(rank: int, world_size: int, layout: str, phases: int) -> dict:
+    stack = Stack(rank, world_size, layout)
+    stack.run(phases)
     return stack.snapshot()

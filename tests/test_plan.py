@@ -413,6 +413,7 @@ ALTERNATIVES = {
     "resources.device": "cuda",
     "resources.nnodes": 2,
     "resources.workers_per_node": 8,
+    "resources.sleep_between_phases": True,
     "checkpoint.root": "/ckpt",
     "checkpoint.save_every": 50,
     "checkpoint.keep_last": 0,

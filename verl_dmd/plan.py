@@ -530,6 +530,9 @@ class ResourceSpec:
     """Nodes in the ray cluster used."""
     workers_per_node: int = 1
     """Workers (ranks) per node; one per GPU on GPU machines."""
+    sleep_between_phases: bool = False
+    """Move every role's state to (pinned) host memory after each phase and back before the next,
+    freeing device memory for colocated work between phases (same math)."""
 
     def validate(self, key: str) -> None:
         _check_int(f"{key}.nnodes", self.nnodes, minimum=1)

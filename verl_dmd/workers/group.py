@@ -187,6 +187,13 @@ class DiffusionDistillationWorkerGroup(_SamplingMixin):
     def load_checkpoint(self) -> dict[str, Any] | None:
         return self._call("load_checkpoint")[0]
 
+    def sleep(self) -> list[dict[str, float]]:
+        """Every rank's state to host memory (see verl_dmd.runtime.offload); per-rank timings."""
+        return self._call("sleep")
+
+    def wake(self) -> list[dict[str, float]]:
+        return self._call("wake")
+
 
 class LocalWorkerGroup(_SamplingMixin):
     """One rank in this process: the same calls as the ray group, without ray."""
@@ -223,6 +230,12 @@ class LocalWorkerGroup(_SamplingMixin):
 
     def load_checkpoint(self) -> dict[str, Any] | None:
         return self.session.load_checkpoint()
+
+    def sleep(self) -> list[dict[str, float]]:
+        return [self.session.sleep()]
+
+    def wake(self) -> list[dict[str, float]]:
+        return [self.session.wake()]
 
     def kill(self) -> None:
         self.close()

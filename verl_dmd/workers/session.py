@@ -45,6 +45,9 @@ class RankSession:
         self.engine = RoleEngine(plan, self.adapter, device=device)
         self.computer = self.adapter.build_distribution_matching_computer(plan.model, plan, rank=rank)
         self.runtime = DistillationRoleRuntime(self.engine, self.computer)
+        from verl_dmd.runtime.offload import StateOffloader
+
+        self.offloader = StateOffloader(self.engine)
 
     def describe(self) -> dict[str, Any]:
         """What the driver needs to know about the model: its null class (if any), bytes per role."""
@@ -59,11 +62,30 @@ class RankSession:
         }
 
     def run_phase(self, request: PhaseRequest, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
-        return self.runtime.run_phase(request, batch)
+        self.wake()
+        metrics = self.runtime.run_phase(request, batch)
+        if self.plan.resources.sleep_between_phases:
+            metrics.update({f"offload/{k}": v for k, v in self.sleep().items()})
+        return metrics
+
+    # ------------------------------------------------------------------ device memory
+
+    def sleep(self) -> dict[str, float]:
+        """Move the whole state to host memory (a no-op when asleep already)."""
+        if self.offloader.asleep:
+            return {}
+        return self.offloader.sleep()
+
+    def wake(self) -> dict[str, float]:
+        """Bring the state back (a no-op when awake); every other method calls it first."""
+        if not self.offloader.asleep:
+            return {}
+        return self.offloader.wake()
 
     # ------------------------------------------------------------------ checkpoints
 
     def save_checkpoint(self, global_step: int, trainer_state: dict[str, Any]) -> str:
+        self.wake()
         from verl_dmd.checkpoint.composite import capture_rng, checkpoint_root, save_checkpoint
         from verl_dmd.checkpoint.store import CheckpointStore
 
@@ -80,6 +102,7 @@ class RankSession:
 
     def load_checkpoint(self) -> dict[str, Any] | None:
         """Resolve checkpoint.resume and load it; the driver's part of the state comes back as a dict."""
+        self.wake()
         from verl_dmd.checkpoint.composite import checkpoint_root, load_checkpoint, restore_rank_state
         from verl_dmd.checkpoint.store import CheckpointStore
 
@@ -107,6 +130,7 @@ class RankSession:
         chunk: int = 512,
     ) -> torch.Tensor:
         """Euler samples of `role` (the teacher's ODE sampler) for this rank's part, `chunk` at a time."""
+        self.wake()
         from verl_dmd.eval.sampling import euler_sample
 
         out = []
@@ -132,6 +156,7 @@ class RankSession:
         renoise: list[torch.Tensor],
     ) -> torch.Tensor:
         """A few-step student sample of `role` for this rank's part, with pre-drawn re-noising."""
+        self.wake()
         from verl_dmd.eval.sampling import few_step_sample
 
         device = self.engine.device

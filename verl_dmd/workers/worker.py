@@ -110,6 +110,14 @@ class DiffusionDistillationWorker(Worker):
         return self.session.few_step(role, noise, cond, schedule, renoise)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def sleep(self) -> dict:
+        return self.session.sleep()
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def wake(self) -> dict:
+        return self.session.wake()
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
     def shutdown(self) -> None:
         import torch.distributed as dist
 

@@ -1,0 +1,181 @@
+"""Sleep/wake benchmark: time and bandwidth of `StateOffloader` next to a raw pinned copy of the same bytes.
+
+One process, one device, no ray: builds the role engine for an SD3-shaped
+transformer of configurable size (random init), creates both optimizers' state
+(AdamW's zero state, as after a first step), then measures in the same run
+
+- a raw copy of the same number of bytes between one device tensor and one
+  pinned host tensor, each way (the physical reference);
+- `sleep()` and `wake()`: the first round (pinned allocation included) and the
+  steady state (median of --repeats rounds), in seconds and GB/s of state moved;
+- device memory allocated and reserved before and after sleep.
+
+    python scripts/bench_offload.py --device cuda --layers 24 --hidden 1536 --repeats 5 --json out.json
+
+On CPU (``--device cpu``) it runs the same steps with ordinary host memory (a
+smoke run; the numbers mean nothing there). docs/benchmarks.md has the results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+GB = 1e9
+
+
+def sd3_config(layers: int, hidden: int) -> dict:
+    heads = hidden // 64
+    return {
+        "sample_size": 128, "patch_size": 2, "in_channels": 16, "out_channels": 16, "num_layers": layers,
+        "attention_head_dim": 64, "num_attention_heads": heads, "joint_attention_dim": 4096,
+        "caption_projection_dim": hidden, "pooled_projection_dim": 2048, "pos_embed_max_size": 192,
+    }  # fmt: skip
+
+
+def build_engine(args):
+    from verl_dmd.adapters import get_adapter
+    from verl_dmd.checkpoint.engine_state import engine_state
+    from verl_dmd.plan import DistillationPlan
+    from verl_dmd.runtime.engine import RoleEngine
+
+    rank = 0 if args.layout == "independent" else args.lora_rank
+    plan = DistillationPlan.from_config({
+        "model": {"adapter": "sd3", "storage": args.layout, "param_dtype": "bfloat16",
+                  "teacher": {"config": sd3_config(args.layers, args.hidden)},
+                  "student": {"lora": {"rank": rank}}, "fake_score": {"lora": {"rank": rank}}},
+        "data": {"name": "synthetic"},
+        "export": {"formats": ["diffusers"]},
+    })  # fmt: skip
+    engine = RoleEngine(plan, get_adapter("sd3")(), device=args.device)
+    engine_state(engine)  # creates both optimizers' AdamW state (zeros, as a first step would)
+    return engine
+
+
+def timed(fn, device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+def raw_copies(nbytes: int, device: torch.device, repeats: int) -> tuple[list[float], list[float]]:
+    """The physical reference: the same bytes, one device tensor <-> one pinned host tensor, each way."""
+    cuda = device.type == "cuda"
+    source = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
+    d2h = [timed(lambda: host.copy_(source, non_blocking=cuda), device) for _ in range(repeats)]
+    h2d = [timed(lambda: source.copy_(host, non_blocking=cuda), device) for _ in range(repeats)]
+    return d2h, h2d
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--layout", choices=["independent", "shared_base_adapters"], default="independent")
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--hidden", type=int, default=1536)
+    parser.add_argument("--lora-rank", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    from verl_dmd.runtime.offload import StateOffloader
+
+    engine = build_engine(args)
+    offloader = StateOffloader(engine)
+    cuda = device.type == "cuda"
+    probe = [t for t in offloader.state_tensors() if t.device.type == device.type][:8]
+    checksum = [float(t.double().sum()) for t in probe]
+    allocated = torch.cuda.memory_allocated(device) if cuda else 0
+    reserved = torch.cuda.memory_reserved(device) if cuda else 0
+
+    first_sleep = timed(offloader.sleep, device)
+    nbytes = offloader.nbytes
+    if nbytes == 0:
+        raise SystemExit("no state found on the device: nothing to measure")
+    info = dict(offloader.last)
+    allocated_asleep = torch.cuda.memory_allocated(device) if cuda else 0
+    reserved_asleep = torch.cuda.memory_reserved(device) if cuda else 0
+    first_wake = timed(offloader.wake, device)
+    sleeps, wakes, sleep_copies, wake_copies = [], [], [], []
+    for _ in range(args.repeats):
+        sleeps.append(timed(offloader.sleep, device))
+        sleep_copies.append(offloader.last["sleep_copy_s"])
+        wakes.append(timed(offloader.wake, device))
+        wake_copies.append(offloader.last["wake_copy_s"])
+    assert [float(t.double().sum()) for t in probe] == checksum, "state changed across sleep/wake"
+
+    d2h, h2d = raw_copies(nbytes, device, args.repeats)
+
+    median = statistics.median
+    result = {
+        "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+        "torch": torch.__version__,
+        "layout": args.layout,
+        "layers": args.layers,
+        "hidden": args.hidden,
+        "state_bytes": nbytes,
+        "pinned_alloc_s": info["pinned_alloc_s"],
+        "first_sleep_s": first_sleep,
+        "first_wake_s": first_wake,
+        "sleep_s": median(sleeps),
+        "wake_s": median(wakes),
+        "sleep_copy_s": median(sleep_copies),
+        "wake_copy_s": median(wake_copies),
+        "raw_d2h_s": median(d2h),
+        "raw_h2d_s": median(h2d),
+        "allocated_before": allocated,
+        "reserved_before": reserved,
+        "allocated_asleep": allocated_asleep,
+        "reserved_asleep": reserved_asleep,
+    }
+    gbs = {
+        k: nbytes / GB / result[k]
+        for k in ("sleep_s", "wake_s", "raw_d2h_s", "raw_h2d_s", "first_sleep_s", "first_wake_s")
+    }
+    print(
+        f"state: {nbytes / 2**30:.2f} GiB ({args.layout}, {args.layers} layers x {args.hidden}) on {result['device']}"
+    )
+    print("| what | seconds | GB/s | vs raw pinned |")
+    print("|---|---|---|---|")
+    print(f"| raw copy device->host (pinned) | {result['raw_d2h_s']:.3f} | {gbs['raw_d2h_s']:.1f} | 1.00 |")
+    print(f"| raw copy host->device (pinned) | {result['raw_h2d_s']:.3f} | {gbs['raw_h2d_s']:.1f} | 1.00 |")
+    print(
+        f"| sleep, first (pinned allocation {result['pinned_alloc_s']:.2f} s) | {first_sleep:.3f} | {gbs['first_sleep_s']:.1f} | {result['raw_d2h_s'] / first_sleep:.2f} |"
+    )
+    print(
+        f"| wake, first | {first_wake:.3f} | {gbs['first_wake_s']:.1f} | {result['raw_h2d_s'] / first_wake:.2f} |"
+    )
+    print(
+        f"| sleep, steady (median of {args.repeats}) | {result['sleep_s']:.3f} | {gbs['sleep_s']:.1f} | {result['raw_d2h_s'] / result['sleep_s']:.2f} |"
+    )
+    print(
+        f"| wake, steady (median of {args.repeats}) | {result['wake_s']:.3f} | {gbs['wake_s']:.1f} | {result['raw_h2d_s'] / result['wake_s']:.2f} |"
+    )
+    if cuda:
+        print(f"device memory: allocated {allocated / 2**30:.2f} -> {allocated_asleep / 2**30:.3f} GiB asleep "
+              f"({allocated_asleep / max(allocated, 1):.1%}); reserved {reserved / 2**30:.2f} -> "
+              f"{reserved_asleep / 2**30:.3f} GiB")  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,210 @@
+"""DMD2 phase benchmark: wall time, peak memory and model-FLOP utilisation of an SD3-medium-shaped run.
+
+One process, one device, no ray. For each layout (``shared_base_adapters``:
+LoRA roles on one frozen base; ``independent``: three full copies, the same
+LoRA roles on the student and fake-score copies), an SD3-shaped transformer
+(random init, bf16 compute, fp32 shards) runs DMD2 phases on 1024x1024 latents
+(128x128x16) with 333 text tokens of width 4096 and the teacher's CFG:
+
+- wall time of a student phase, a fake-score phase and a full cycle (1 + K phases),
+  median over --repeats after --warmup cycles;
+- peak device memory over the timed cycles;
+- the model FLOPs of each phase, counted by torch's FlopCounterMode on one phase,
+  and the ideal time of those FLOPs at the bf16 matmul rate measured in the same
+  run (an 8192^3 matmul): MFU = FLOPs / time / rate.
+
+    python scripts/bench_phases.py --layouts shared_base_adapters independent --batch 2 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_offload import sd3_config
+
+TEXT_TOKENS = 333
+
+
+def matmul_rate(device: torch.device, size: int = 8192, repeats: int = 20) -> float:
+    """Measured bf16 matmul FLOP/s (size^3, median of repeats)."""
+    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        a @ b
+        torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return 2 * size**3 / statistics.median(times)
+
+
+def make_batch(batch: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator)
+
+    return {
+        "noise": randn(batch, 16, 128, 128),
+        "cond.encoder_hidden_states": randn(batch, TEXT_TOKENS, 4096),
+        "cond.pooled_projections": randn(batch, 2048),
+        "uncond.encoder_hidden_states": torch.zeros(batch, TEXT_TOKENS, 4096),
+        "uncond.pooled_projections": torch.zeros(batch, 2048),
+    }
+
+
+def run_layout(layout: str, args, device: torch.device, rate: float) -> dict:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from verl_dmd.adapters import get_adapter
+    from verl_dmd.controller import DistillationController
+    from verl_dmd.phases import PhaseRequest, Role
+    from verl_dmd.plan import DistillationPlan
+    from verl_dmd.runtime.engine import RoleEngine
+    from verl_dmd.runtime.runtime import DistillationRoleRuntime
+
+    lora = {"rank": args.lora_rank, "alpha": float(args.lora_rank)}
+    plan = DistillationPlan.from_config({
+        "algorithm": {"fake_update_ratio": args.k, "teacher_guidance_scale": 7.0, "sigma_shift": 3.0},
+        "model": {"adapter": "sd3", "storage": layout, "param_dtype": "bfloat16",
+                  "activation_checkpointing": args.activation_checkpointing,
+                  "teacher": {"config": sd3_config(args.layers, args.hidden)},
+                  "student": {"lora": lora}, "fake_score": {"lora": lora}},
+        "batch": {"student": {"micro_batch_size": args.batch}, "fake_score": {"micro_batch_size": args.batch}},
+        "data": {"name": "synthetic"},
+    })  # fmt: skip
+    built = time.perf_counter()
+    adapter = get_adapter("sd3")()
+    engine = RoleEngine(plan, adapter, device=device)
+    computer = adapter.build_distribution_matching_computer(plan.model, plan, rank=0)
+    runtime = DistillationRoleRuntime(engine, computer)
+    build_s = time.perf_counter() - built
+    controller = DistillationController(fake_update_ratio=args.k, fake_warmup_steps=0)
+    generator = torch.Generator().manual_seed(0)
+
+    def phase() -> tuple[Role, float, dict]:
+        role = controller.next_phase()
+        request = PhaseRequest(role=role, global_step=controller.global_step, role_step=0,
+                               phase_index=controller.phase_index)  # fmt: skip
+        batch = make_batch(args.batch, generator)
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        metrics = runtime.run_phase(request, batch)
+        torch.cuda.synchronize(device)
+        controller.record(role, stepped=metrics["stepped"])
+        return role, time.perf_counter() - start, metrics
+
+    for _ in range(args.warmup * (args.k + 1)):
+        phase()
+    flops = {}
+    for _ in range(args.k + 1):
+        counter = FlopCounterMode(display=False)
+        role = controller.next_phase()
+        with counter:
+            request = PhaseRequest(role=role, global_step=controller.global_step, role_step=0,
+                                   phase_index=controller.phase_index)  # fmt: skip
+            metrics = runtime.run_phase(request, make_batch(args.batch, generator))
+        controller.record(role, stepped=metrics["stepped"])
+        flops.setdefault(role.value, counter.get_total_flops())
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.k + 1):
+                phase()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
+        cpu_table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20)
+        (args.profile / f"profile_{layout}.txt").write_text(table + "\n\n" + cpu_table + "\n")
+    torch.cuda.reset_peak_memory_stats(device)
+    times: dict[str, list[float]] = {"student": [], "fake_score": []}
+    cycles = []
+    for _ in range(args.repeats):
+        cycle = 0.0
+        for _ in range(args.k + 1):
+            role, seconds, _ = phase()
+            times[role.value].append(seconds)
+            cycle += seconds
+        cycles.append(cycle)
+    peak = torch.cuda.max_memory_allocated(device)
+    median = statistics.median
+    student_s, fake_s, cycle_s = median(times["student"]), median(times["fake_score"]), median(cycles)
+    cycle_flops = flops["student"] + args.k * flops["fake_score"]
+    result = {
+        "layout": layout,
+        "build_s": build_s,
+        "student_phase_s": student_s,
+        "fake_phase_s": fake_s,
+        "cycle_s": cycle_s,
+        "student_flops": flops["student"],
+        "fake_flops": flops["fake_score"],
+        "cycle_flops": cycle_flops,
+        "ideal_cycle_s": cycle_flops / rate,
+        "mfu_student": flops["student"] / student_s / rate,
+        "mfu_fake": flops["fake_score"] / fake_s / rate,
+        "mfu_cycle": cycle_flops / cycle_s / rate,
+        "peak_bytes": peak,
+        "parameter_bytes": engine.parameter_bytes(),
+    }
+    return result
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layouts", nargs="+", default=["shared_base_adapters", "independent"])
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--hidden", type=int, default=1536)
+    parser.add_argument("--lora-rank", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--k", type=int, default=5, help="fake-score phases per student phase")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed cycles")
+    parser.add_argument("--repeats", type=int, default=3, help="timed cycles")
+    parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--profile", type=Path, default=None, help="write a torch.profiler table per layout here"
+    )
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA device")
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    rate = matmul_rate(device)
+    print(
+        f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}: bf16 matmul {rate / 1e12:.0f} TFLOP/s"
+    )
+    results = []
+    for layout in args.layouts:
+        result = run_layout(layout, args, device, rate)
+        gc.collect()
+        torch.cuda.empty_cache()  # the layout's engine is gone; the next one starts from an empty device
+        results.append(result)
+        print(json.dumps(result), flush=True)
+    print(f"\nSD3-shaped, {args.layers} layers x {args.hidden}, batch {args.batch}, 1024x1024, K={args.k}, "
+          f"LoRA rank {args.lora_rank}, CFG on")  # fmt: skip
+    print("| layout | student phase s | fake phase s | cycle s | ideal cycle s | MFU cycle | peak GiB |")
+    print("|---|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['layout']} | {r['student_phase_s']:.3f} | {r['fake_phase_s']:.3f} | {r['cycle_s']:.3f} | "
+              f"{r['ideal_cycle_s']:.3f} | {r['mfu_cycle']:.1%} | {r['peak_bytes'] / 2**30:.1f} |")  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps({"matmul_flops_per_s": rate, "results": results}, indent=1) + "\n")
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
