@@ -89,6 +89,8 @@ def main(argv=None) -> int:
     parser.add_argument("--hidden", type=int, default=1536)
     parser.add_argument("--lora-rank", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--keep-reserved", action="store_true",
+                        help="sleep(release=False): freed blocks stay in this process's caching allocator")  # fmt: skip
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -104,7 +106,12 @@ def main(argv=None) -> int:
     allocated = torch.cuda.memory_allocated(device) if cuda else 0
     reserved = torch.cuda.memory_reserved(device) if cuda else 0
 
-    first_sleep = timed(offloader.sleep, device)
+    release = not args.keep_reserved
+
+    def sleep():
+        offloader.sleep(release=release)
+
+    first_sleep = timed(sleep, device)
     nbytes = offloader.nbytes
     if nbytes == 0:
         raise SystemExit("no state found on the device: nothing to measure")
@@ -112,10 +119,12 @@ def main(argv=None) -> int:
     allocated_asleep = torch.cuda.memory_allocated(device) if cuda else 0
     reserved_asleep = torch.cuda.memory_reserved(device) if cuda else 0
     first_wake = timed(offloader.wake, device)
-    sleeps, wakes, sleep_copies, wake_copies = [], [], [], []
+    sleeps, wakes, sleep_copies, wake_copies, prepares, releases = [], [], [], [], [], []
     for _ in range(args.repeats):
-        sleeps.append(timed(offloader.sleep, device))
+        sleeps.append(timed(sleep, device))
         sleep_copies.append(offloader.last["sleep_copy_s"])
+        prepares.append(offloader.last["sleep_prepare_s"])
+        releases.append(offloader.last["sleep_release_s"])
         wakes.append(timed(offloader.wake, device))
         wake_copies.append(offloader.last["wake_copy_s"])
     assert [float(t.double().sum()) for t in probe] == checksum, "state changed across sleep/wake"
@@ -127,6 +136,7 @@ def main(argv=None) -> int:
         "device": torch.cuda.get_device_name(device) if cuda else "cpu",
         "torch": torch.__version__,
         "layout": args.layout,
+        "release": release,
         "layers": args.layers,
         "hidden": args.hidden,
         "state_bytes": nbytes,
@@ -137,6 +147,8 @@ def main(argv=None) -> int:
         "wake_s": median(wakes),
         "sleep_copy_s": median(sleep_copies),
         "wake_copy_s": median(wake_copies),
+        "sleep_prepare_s": median(prepares),
+        "sleep_release_s": median(releases),
         "raw_d2h_s": median(d2h),
         "raw_h2d_s": median(h2d),
         "allocated_before": allocated,
@@ -167,6 +179,9 @@ def main(argv=None) -> int:
     print(
         f"| wake, steady (median of {args.repeats}) | {result['wake_s']:.3f} | {gbs['wake_s']:.1f} | {result['raw_h2d_s'] / result['wake_s']:.2f} |"
     )
+    print(f"sleep, steady: prepare {result['sleep_prepare_s'] * 1e3:.1f} ms, copy {result['sleep_copy_s'] * 1e3:.1f} ms, "
+          f"release to the driver (empty_cache) {result['sleep_release_s'] * 1e3:.1f} ms; wake copy "
+          f"{result['wake_copy_s'] * 1e3:.1f} ms")  # fmt: skip
     if cuda:
         print(f"device memory: allocated {allocated / 2**30:.2f} -> {allocated_asleep / 2**30:.3f} GiB asleep "
               f"({allocated_asleep / max(allocated, 1):.1%}); reserved {reserved / 2**30:.2f} -> "

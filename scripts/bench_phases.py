@@ -76,7 +76,9 @@ def run_layout(layout: str, args, device: torch.device, rate: float) -> dict:
     from verl_dmd.runtime.engine import RoleEngine
     from verl_dmd.runtime.runtime import DistillationRoleRuntime
 
-    lora = {"rank": args.lora_rank, "alpha": float(args.lora_rank)}
+    full = layout == "independent_full"
+    layout = "independent" if full else layout
+    lora = {"rank": 0} if full else {"rank": args.lora_rank, "alpha": float(args.lora_rank)}
     plan = DistillationPlan.from_config({
         "algorithm": {"fake_update_ratio": args.k, "teacher_guidance_scale": 7.0, "sigma_shift": 3.0},
         "model": {"adapter": "sd3", "storage": layout, "param_dtype": "bfloat16",
@@ -85,6 +87,7 @@ def run_layout(layout: str, args, device: torch.device, rate: float) -> dict:
                   "student": {"lora": lora}, "fake_score": {"lora": lora}},
         "batch": {"student": {"micro_batch_size": args.batch}, "fake_score": {"micro_batch_size": args.batch}},
         "data": {"name": "synthetic"},
+        "export": {"formats": ["diffusers"]},
     })  # fmt: skip
     built = time.perf_counter()
     adapter = get_adapter("sd3")()
@@ -143,7 +146,7 @@ def run_layout(layout: str, args, device: torch.device, rate: float) -> dict:
     student_s, fake_s, cycle_s = median(times["student"]), median(times["fake_score"]), median(cycles)
     cycle_flops = flops["student"] + args.k * flops["fake_score"]
     result = {
-        "layout": layout,
+        "layout": "independent_full" if full else layout,
         "build_s": build_s,
         "student_phase_s": student_s,
         "fake_phase_s": fake_s,
@@ -163,7 +166,9 @@ def run_layout(layout: str, args, device: torch.device, rate: float) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layouts", nargs="+", default=["shared_base_adapters", "independent"])
+    parser.add_argument("--layouts", nargs="+", default=["shared_base_adapters", "independent"],
+                        choices=["shared_base_adapters", "independent", "independent_full"],
+                        help="independent_full: three full copies, student and fake score fully trained")  # fmt: skip
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--hidden", type=int, default=1536)
     parser.add_argument("--lora-rank", type=int, default=64)
@@ -194,7 +199,7 @@ def main(argv=None) -> int:
         results.append(result)
         print(json.dumps(result), flush=True)
     print(f"\nSD3-shaped, {args.layers} layers x {args.hidden}, batch {args.batch}, 1024x1024, K={args.k}, "
-          f"LoRA rank {args.lora_rank}, CFG on")  # fmt: skip
+          f"LoRA rank {args.lora_rank} (none for independent_full), CFG on")  # fmt: skip
     print("| layout | student phase s | fake phase s | cycle s | ideal cycle s | MFU cycle | peak GiB |")
     print("|---|---|---|---|---|---|---|")
     for r in results:

@@ -191,8 +191,8 @@ class ModelSpec:
     """FSDP2 units: blocks (each transformer block, as the adapter lists them) or model (one per model:
     fewer, larger all-gathers; for small models and slow interconnects). Same math."""
     reshard_after_forward: bool = True
-    """FSDP2: free gathered weights after each forward; false keeps them until the role changes (same math,
-    fewer all-gathers, more memory: for small models and slow interconnects)."""
+    """FSDP2: free gathered block weights after each forward (the root keeps its own until backward); false
+    keeps every unit's until the role changes (same math, fewer all-gathers, more memory)."""
     teacher: TeacherSpec = field(default_factory=TeacherSpec)
     student: TrainableModelSpec = field(default_factory=TrainableModelSpec)
     fake_score: TrainableModelSpec = field(default_factory=TrainableModelSpec)

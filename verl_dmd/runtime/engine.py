@@ -260,12 +260,14 @@ class RoleEngine:
             param_dtype=param_dtype if mixed else None,
             reduce_dtype=None if not mixed and reduce_dtype is torch.float32 else reduce_dtype,
         )
-        kwargs = {
-            "mesh": self.mesh,
-            "mp_policy": mp_policy,
-            # The engine reshards every unit itself whenever the role changes (use_role / trainable).
-            "reshard_after_forward": self.plan.model.reshard_after_forward,
-        }
+        kwargs = {"mesh": self.mesh, "mp_policy": mp_policy}
+        if not self.plan.model.reshard_after_forward:
+            # Keep gathered weights after forward; the engine reshards every unit itself whenever the
+            # role changes (use_role / trainable). Otherwise FSDP2's default: non-root units reshard
+            # after forward, the root keeps its weights until backward (passing True would reshard the
+            # root too, and an autograd.grad through it after its forward then fails: TRAPS-like, seen
+            # in the GAN generator term).
+            kwargs["reshard_after_forward"] = False
         if offload and self.plan.model.teacher.cpu_offload:
             # pin_memory needs an accelerator (TRAPS: CPUOffloadPolicy on CPU).
             kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=self.device.type == "cuda")

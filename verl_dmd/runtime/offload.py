@@ -55,31 +55,42 @@ class StateOffloader:
         self.asleep = False
         self._buffer: torch.Tensor | None = None
         self._slots: list[_Slot] = []
+        self._cache: tuple[tuple[int, ...], list[torch.UntypedStorage], list[torch.Tensor]] | None = None
         self.last: dict[str, float] = {}
 
     # ------------------------------------------------------------------ what moves
 
-    def state_tensors(self) -> list[torch.Tensor]:
-        """Every tensor of the state, as local tensors (parameters, EMA, optimizer state)."""
+    def _state_objects(self) -> list[torch.Tensor]:
+        """Every tensor of the state as the engine holds it (DTensors for sharded ones)."""
         engine = self.engine
-        tensors = [local_tensor(p) for params in engine.params.values() for p in params]
-        tensors += [local_tensor(p) for p in engine.frozen_params]
-        tensors += [local_tensor(t) for t in engine.independent_ema]
+        objects = [p for params in engine.params.values() for p in params]
+        objects += list(engine.frozen_params)
+        objects += list(engine.independent_ema)
         for optimizer in engine.optimizers.values():
             for state in optimizer.state.values():
-                tensors += [local_tensor(v) for v in state.values() if isinstance(v, torch.Tensor)]
-        return tensors
+                objects += [v for v in state.values() if isinstance(v, torch.Tensor)]
+        return objects
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Every tensor of the state, as local tensors (parameters, EMA, optimizer state)."""
+        return [local_tensor(t) for t in self._state_objects()]
 
     def _storages(self) -> list[torch.UntypedStorage]:
+        """The distinct device storages behind the state, cached while the set of state tensors is the same."""
         kind = self.engine.device.type  # one device per process: "cuda" and "cuda:0" are the same here
+        objects = self._state_objects()
+        key = tuple(map(id, objects))
+        if self._cache is not None and self._cache[0] == key:
+            return self._cache[1]
+        tensors = [t for t in map(local_tensor, objects) if t.device.type == kind]
         seen: dict[int, torch.UntypedStorage] = {}
-        for tensor in self.state_tensors():
-            if tensor.device.type != kind:
-                continue  # e.g. CPU-offloaded frozen weights on a GPU engine, or AdamW's CPU step counters
+        for tensor in tensors:
             storage = tensor.untyped_storage()
             if storage.nbytes() and storage.data_ptr() not in seen:
                 seen[storage.data_ptr()] = storage
-        return list(seen.values())
+        storages = list(seen.values())
+        self._cache = (key, storages, objects)  # the objects stay referenced, so their ids cannot be reused
+        return storages
 
     @property
     def nbytes(self) -> int:
@@ -87,8 +98,13 @@ class StateOffloader:
 
     # ------------------------------------------------------------------ sleep / wake
 
-    def sleep(self) -> dict[str, float]:
-        """Copy the state to host memory and free its device storage; returns timings and sizes."""
+    def sleep(self, *, release: bool = True) -> dict[str, float]:
+        """Copy the state to host memory and free its device storage; returns timings and sizes.
+
+        `release` also returns the freed blocks to the CUDA driver (`torch.cuda.empty_cache`), so other
+        processes can use them; without it they stay in this process's caching allocator, free for
+        work in this process (a colocated sampler) and the sleep skips the driver's frees.
+        """
         if self.asleep:
             raise RuntimeError("sleep() while asleep: call wake() first")
         engine = self.engine
@@ -108,20 +124,25 @@ class StateOffloader:
             self._buffer = torch.empty(offset, dtype=torch.uint8, pin_memory=cuda)
             allocated = time.perf_counter() - begin
         self._slots = slots
+        prepared = time.perf_counter() - started
         copy_started = time.perf_counter()
         for slot in slots:
             self._buffer[slot.offset : slot.offset + slot.nbytes].copy_(
                 _bytes_of(slot.storage), non_blocking=cuda
             )
+            # Freeing right away is safe: the caching allocator reuses a block only for work queued after
+            # this copy on the same stream; the CPU work of freeing overlaps the copies.
+            slot.storage.resize_(0)
         if cuda:
             torch.cuda.synchronize(engine.device)
         copy_seconds = time.perf_counter() - copy_started
-        for slot in slots:
-            slot.storage.resize_(0)
-        if cuda:
+        released = time.perf_counter()
+        if cuda and release:
             torch.cuda.empty_cache()
+        released = time.perf_counter() - released
         self.asleep = True
         self.last = {"sleep_s": time.perf_counter() - started, "sleep_copy_s": copy_seconds,
+                     "sleep_prepare_s": prepared, "sleep_release_s": released,
                      "pinned_alloc_s": allocated, "bytes": float(self.nbytes)}  # fmt: skip
         return dict(self.last)
 
@@ -131,10 +152,9 @@ class StateOffloader:
             raise RuntimeError("wake() while awake: call sleep() first")
         cuda = self.engine.device.type == "cuda"
         started = time.perf_counter()
-        for slot in self._slots:
-            slot.storage.resize_(slot.nbytes)
         copy_started = time.perf_counter()
-        for slot in self._slots:
+        for slot in self._slots:  # allocating the next storage overlaps the copies already queued
+            slot.storage.resize_(slot.nbytes)
             _bytes_of(slot.storage).copy_(
                 self._buffer[slot.offset : slot.offset + slot.nbytes], non_blocking=cuda
             )
