@@ -46,14 +46,20 @@ def final_state(out: Path) -> tuple[dict, str]:
 def test_sigterm_saves_and_the_same_command_resumes_to_the_same_result(tmp_path):
     """Uninterrupted run vs. a run stopped by SIGTERM after step 2 and relaunched with the same command:
     the stopped run publishes a checkpoint and exits 143; the relaunch resumes from it and ends with the
-    same controller counters, data position, schedule and (bit for bit) the same exported weights."""
+    same controller counters, data position, schedule and (bit for bit) the same exported weights.
+    The signal goes to the driver's pid: with the local ray cluster the driver starts, ray's own daemons
+    share its process group and stop on SIGTERM (docs/quickstart.md says so)."""
     straight = subprocess.run(verl_dmd(f"trainer.output_dir={tmp_path / 'a'}"), capture_output=True, text=True,
                               timeout=600, cwd=tmp_path)  # fmt: skip
     assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
 
     command = verl_dmd(f"trainer.output_dir={tmp_path / 'b'}")
     process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=tmp_path,
     )
     seen = []
     for line in process.stdout:
@@ -123,3 +129,34 @@ def test_a_failing_rank_ends_the_run_with_its_rank_and_error(tmp_path, worker, t
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
     assert message in result.stdout + result.stderr, result.stdout[-3000:] + result.stderr[-3000:]
     assert elapsed < 200, elapsed
+
+
+def test_a_stop_after_fake_phases_keeps_the_checkpoint_of_the_same_global_step(tmp_path):
+    """Checkpoints are named by global step: a stop after a save at step N and some fake-score phases
+    (no student step since) keeps that checkpoint instead of publishing step N again (which the store
+    refuses); a stop after the next student step saves anew."""
+    from types import SimpleNamespace
+
+    from verl_dmd.trainer.ray_trainer import DistillationRayTrainer
+
+    saved = []
+
+    class Group:
+        def save_checkpoint(self, global_step, state):
+            saved.append(global_step)
+            return f"global_step_{global_step}"
+
+    class Provider:
+        def state_dict(self):
+            return {"position": 0}
+
+    trainer = DistillationRayTrainer.__new__(DistillationRayTrainer)
+    trainer.group, trainer._saved, trainer.log = Group(), None, lambda line: None
+    controller = SimpleNamespace(phase_index=5, global_step=2, state_dict=lambda: {})
+    assert trainer._save(controller, Provider()) == "global_step_2"
+    controller.phase_index = 8  # three fake-score phases later, still global step 2
+    assert trainer._save(controller, Provider()) == "global_step_2"
+    assert saved == [2]
+    controller.phase_index, controller.global_step = 9, 3
+    assert trainer._save(controller, Provider()) == "global_step_3"
+    assert saved == [2, 3]

@@ -45,7 +45,7 @@ def run(cfg: Any) -> int:
             )
         path = found.path if found is not None else resume
         out = export_checkpoint(plan, path, log=lambda line: print(line, flush=True))
-    except (PlanError, ExportError, CheckpointError) as err:
+    except (PlanError, ExportError, CheckpointError, ValueError) as err:  # ValueError: the model source
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
     print(f"{PROG}: exported to {out}")

@@ -174,13 +174,16 @@ def load_checkpoint(store: CheckpointStore, engine, plan) -> LoadedCheckpoint | 
     if rank == 0:
         checkpoint = store.resolve(plan.checkpoint.resume, hashes=plan.checkpoint.verify_hashes)
         found = None if checkpoint is None else str(checkpoint.path)
-        # A new timeline starts here: later (abandoned or damaged) checkpoints are set aside.
-        store.set_aside_newer_than(-1 if checkpoint is None else checkpoint.global_step)
     found = _broadcast_path(found)
     if found is None:
+        if rank == 0:  # a new timeline starts at 0: earlier runs' checkpoints are set aside
+            store.set_aside_newer_than(-1)
         return None
     checkpoint = CheckpointStore.verify(found)  # every rank reads the manifest it will trust
-    check_plan(checkpoint, plan)  # before any weight is read
+    check_plan(checkpoint, plan)  # before any weight is read (and before anything is set aside)
+    if rank == 0:
+        # A new timeline starts here: later (abandoned or damaged) checkpoints are set aside.
+        store.set_aside_newer_than(checkpoint.global_step)
     state = json.loads((checkpoint.path / TRAINER_STATE).read_text())
     load_engine(engine, checkpoint.path / ENGINE_DIR)
     load_schedule_state(engine, state["schedule"])

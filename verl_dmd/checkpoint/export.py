@@ -351,7 +351,14 @@ def export_checkpoint(
     staging.mkdir()
     try:
         if "peft" in formats:
-            _write_peft(model, adapter_name, component, plan.model.teacher.path, staging / PEFT_DIR)
+            base = plan.model.teacher.path
+            if plan.model.storage == "independent" and plan.model.student.path:
+                base = plan.model.student.path
+            elif plan.model.storage == "independent" and plan.model.student.config is not None:
+                base = None  # a config-built base: no directory to name
+                log("export: note: the student's base was built from model.student.config, not the teacher; "
+                    "load the adapter onto that model")  # fmt: skip
+            _write_peft(model, adapter_name, component, base, staging / PEFT_DIR)
             log(f"export: wrote the PEFT adapter ({len(tensors)} tensors)")
         if "diffusers" in formats or "pipeline" in formats:
             if not hasattr(model, "save_pretrained"):

@@ -7,7 +7,7 @@ directory of them (read in name order as one data set), each holding
   reads them (SD3: ``cond.encoder_hidden_states`` (N, L, D) and
   ``cond.pooled_projections`` (N, D); Flux the same; Wan and Qwen-Image
   ``cond.encoder_hidden_states``);
-- ``uncond.<name>`` (needed when ``algorithm.teacher_guidance_scale`` != 1): one
+- ``uncond.<name>`` (needed when the teacher uses CFG, i.e. its standard-form scale is not 1): one
   row for all prompts (the empty prompt) or one per prompt;
 - optionally ``real.x0`` and ``real.cond.<name>`` (one per prompt) for the GAN term;
 - the header metadata ``latent_shape``: the shape of one latent, comma separated
@@ -82,9 +82,16 @@ class EmbeddingsProvider:
             self._rows += [(number, r) for r in range(counts.pop())]
         self.keys = sorted(keys)
         self.latent_shape = shape
-        if plan.algorithm.teacher_guidance_scale != 1.0 and not any(
-            k.startswith("uncond.") for k in self.keys
-        ):
+        from verl_dmd.trainer.digits import teacher_guidance
+
+        for number, handle in enumerate(self._handles):
+            mine = sum(1 for f, _ in self._rows if f == number)
+            for key in (k for k in self.keys if k.startswith("uncond.")):
+                rows = handle.get_slice(key).get_shape()[0]
+                if rows not in (1, mine):
+                    raise ValueError(f"config key 'data.path': {files[number].name}: {key} has {rows} rows; "
+                                     f"allowed: 1 (one empty prompt for all) or {mine} (one per prompt)")  # fmt: skip
+        if teacher_guidance(plan) != 1.0 and not any(k.startswith("uncond.") for k in self.keys):
             raise ValueError("config key 'algorithm.teacher_guidance_scale' != 1 needs uncond.* tensors in data.path "
                              "(the empty prompt's embeddings); fix: add them, or set the scale to 1")  # fmt: skip
         self._order: tuple[int, torch.Tensor] | None = None

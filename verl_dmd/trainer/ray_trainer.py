@@ -117,7 +117,10 @@ class DistillationRayTrainer:
         self.group = None
         self._stop_signal: int | None = None
         self._ray_started = False
-        self._saved: tuple[int, str] | None = None  # (phase index, path) of the newest checkpoint
+        self._saved: tuple[int, int, str] | None = (
+            None  # (phase index, global step, path) of the newest checkpoint
+        )
+        self._clean_exit = False
 
     # ------------------------------------------------------------------ set-up
 
@@ -177,14 +180,21 @@ class DistillationRayTrainer:
 
         handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
         self._install_signal_handlers()
+        from verl_dmd.controller import TooManySkipsError
+
         try:
             return self._fit()
         except TrainerError as err:  # user input (data files, settings): exit 2, as plan errors
             print(f"verl-dmd: error: {err}", file=sys.stderr, flush=True)
             return 2
-        except WorkerError as err:
+        except (WorkerError, TooManySkipsError) as err:
             print(f"verl-dmd: error: {err}", file=sys.stderr, flush=True)
             return 1
+        except KeyboardInterrupt:  # a second signal: stop now, without the checkpoint
+            print(
+                "verl-dmd: interrupted by a second signal; no checkpoint of the last phases", file=sys.stderr
+            )
+            return EXIT_SIGNALLED + (self._stop_signal or signal.SIGINT)
         finally:
             self._shutdown()
             for signum, previous in handlers.items():
@@ -199,9 +209,12 @@ class DistillationRayTrainer:
     def _shutdown(self) -> None:
         if self.group is not None:
             try:
-                self.group.close()
-            except Exception as err:  # the run's outcome is already decided; report and go on
-                self.log(f"note: closing the workers failed: {err}")
+                if self._clean_exit:
+                    self.group.close()
+                else:  # a worker may be stuck in a phase or a collective: do not wait for it
+                    self.group.kill()
+            except BaseException as err:  # the run's outcome is already decided; report and go on
+                self.log(f"note: stopping the workers failed: {err!r}")
             self.group = None
         if self._ray_started:
             import ray
@@ -235,8 +248,11 @@ class DistillationRayTrainer:
         loaded = self.group.load_checkpoint()
         if loaded is not None:
             controller.load_state_dict(loaded["trainer_state"]["controller"])
-            provider.load_state_dict(loaded["trainer_state"]["data"])
-            self._saved = (controller.phase_index, loaded["path"])
+            try:
+                provider.load_state_dict(loaded["trainer_state"]["data"])
+            except ValueError as err:
+                raise TrainerError(f"{loaded['path']}: {err}") from None
+            self._saved = (controller.phase_index, loaded["global_step"], loaded["path"])
             note = ""
             if loaded["saved_world_size"] != plan.resources.world_size:
                 note = f" (saved by {loaded['saved_world_size']} worker(s): random streams re-seeded)"
@@ -249,7 +265,7 @@ class DistillationRayTrainer:
         )
         validator = build_validator(plan, self.group, info)
         progress = _Progress(total, controller.global_step, plan.trainer.progress_bar, self.log)
-        code = 0
+        code = 1  # until the run ends normally or by a signal
         try:
             fake_metrics: dict[str, Any] = {}
             while not controller.is_done(total):
@@ -281,6 +297,7 @@ class DistillationRayTrainer:
                     self.log(f"stopped by {signal.Signals(self._stop_signal).name} at global step "
                              f"{controller.global_step}; relaunch the same command to resume")  # fmt: skip
                     code = EXIT_SIGNALLED + self._stop_signal
+                    self._clean_exit = True
                     return code
             progress.close()
             trained = time.perf_counter() - started
@@ -290,6 +307,12 @@ class DistillationRayTrainer:
                 self._export(path)
             self.log(f"done: {controller.global_step} student steps in {time.perf_counter() - started:.0f} s; "
                      f"outputs in {self.output_dir}")  # fmt: skip
+            code = 0
+            self._clean_exit = True
+            if self._stop_signal is not None:  # arrived after the last phase: the run is complete anyway
+                self.log(
+                    f"note: {signal.Signals(self._stop_signal).name} arrived after the last phase; the run completed"
+                )
             return code
         finally:
             progress.close()
@@ -298,13 +321,21 @@ class DistillationRayTrainer:
     # ------------------------------------------------------------------ around the loop
 
     def _save(self, controller, provider) -> str:
-        """Publish a checkpoint of the current state, unless the newest one holds exactly this state."""
-        if self._saved is not None and self._saved[0] == controller.phase_index:
-            return self._saved[1]
+        """Publish a checkpoint of the current state, unless the newest one is of the same global step.
+
+        Checkpoints are named by global step; after one at step N, only fake-score phases can have
+        run before the next student step. Such a stop keeps the checkpoint of step N: the resume
+        repeats those phases and, being deterministic, reaches the same state.
+        """
+        if self._saved is not None and self._saved[1] == controller.global_step:
+            if self._saved[0] != controller.phase_index:
+                self.log(f"checkpoint: keeping {self._saved[2]} (same global step; the "
+                         f"{controller.phase_index - self._saved[0]} fake-score phase(s) since are repeated on resume)")  # fmt: skip
+            return self._saved[2]
         started = time.perf_counter()
         state = {"controller": controller.state_dict(), "data": provider.state_dict()}
         path = self.group.save_checkpoint(controller.global_step, state)
-        self._saved = (controller.phase_index, path)
+        self._saved = (controller.phase_index, controller.global_step, path)
         self.log(f"checkpoint: {path} ({time.perf_counter() - started:.1f} s)")
         return path
 
@@ -328,16 +359,27 @@ class DistillationRayTrainer:
         self.log(f"\n{header}\n\n{table}\n\nsamples and grids: {out / 'samples'}")
 
     def _export(self, checkpoint_path: str) -> None:
+        import json
+        import shutil
+
         from verl_dmd.checkpoint.export import ExportError, export_checkpoint, export_root
+        from verl_dmd.checkpoint.store import CheckpointError, CheckpointStore
 
         target = export_root(self.plan) / Path(checkpoint_path).name / self.plan.export.role
-        if target.exists():
-            self.log(f"export: {target} exists already (this checkpoint was exported before)")
-            return
         try:
+            if target.exists():
+                manifest = CheckpointStore.verify(checkpoint_path).manifest
+                info_file = target / "export.json"
+                info = json.loads(info_file.read_text()) if info_file.is_file() else {}
+                if info.get("manifest_sha256") == manifest.get("manifest_sha256"):
+                    self.log(f"export: {target} holds this checkpoint's export already")
+                    return
+                self.log(f"export: {target} holds another run's export (checkpoint {info.get('checkpoint')}); "
+                         "replacing it")  # fmt: skip
+                shutil.rmtree(target)
             export_checkpoint(self.plan, checkpoint_path, log=self.log)
-        except ExportError as err:
-            raise TrainerError(f"export: {err}") from None
+        except (ExportError, CheckpointError, ValueError) as err:
+            raise TrainerError(f"export: {str(err).splitlines()[0]}") from None
 
 
 def _loggable(metrics: dict[str, Any]) -> dict[str, float]:

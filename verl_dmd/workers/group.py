@@ -97,6 +97,17 @@ class DiffusionDistillationWorkerGroup(_SamplingMixin):
         self.world_size = plan.resources.world_size
         self.timeout = plan.trainer.rpc_timeout_s
         use_gpu = device == "cuda"
+        # verl waits for the placement group without a deadline: a request the cluster cannot hold
+        # would hang silently, so compare first.
+        have = ray.cluster_resources()
+        want = {"GPU" if use_gpu else "CPU": float(self.world_size)}
+        for kind, amount in want.items():
+            if have.get(kind, 0.0) < amount:
+                raise WorkerError(
+                    f"config key 'resources.workers_per_node' x 'resources.nnodes' = {self.world_size} workers "
+                    f"need {amount:g} {kind}(s), the ray cluster has {have.get(kind, 0.0):g}; fix: lower "
+                    "resources.workers_per_node / resources.nnodes, or add nodes to the cluster"
+                )
         pool = RayResourcePool(
             process_on_nodes=[plan.resources.workers_per_node] * plan.resources.nnodes,
             use_gpu=use_gpu,
@@ -212,30 +223,43 @@ class LocalWorkerGroup(_SamplingMixin):
         self.session = None
 
     def _call(self, method: str, *args, **kwargs) -> list[Any]:
+        """Run `method` of the session as rank 0; errors come back as the ray group's do."""
         args = [split_for_ranks(a, 1)[0] for a in args]
         kwargs = {k: split_for_ranks(v, 1)[0] for k, v in kwargs.items()}
-        return [getattr(self.session, method)(*args, **kwargs)]
+        try:
+            return [getattr(self.session, method)(*args, **kwargs)]
+        except Exception as err:
+            message = str(err).strip().splitlines()[-1] if str(err).strip() else ""
+            raise WorkerError(
+                f"worker call {method} failed on rank 0: {type(err).__name__}: {message}"
+            ) from err
 
     def init_model(self) -> list[dict[str, Any]]:
         from verl_dmd.workers.session import RankSession
 
-        self.session = RankSession(self.plan, rank=0, world_size=1, device=self._device)
+        try:
+            self.session = RankSession(self.plan, rank=0, world_size=1, device=self._device)
+        except Exception as err:
+            message = str(err).strip().splitlines()[-1] if str(err).strip() else ""
+            raise WorkerError(
+                f"worker call init_model failed on rank 0: {type(err).__name__}: {message}"
+            ) from err
         return [self.session.describe()]
 
     def run_phase(self, request, batch) -> list[dict[str, Any]]:
-        return [self.session.run_phase(request, batch)]
+        return self._call("run_phase", request, batch)
 
     def save_checkpoint(self, global_step: int, trainer_state: dict[str, Any]) -> str:
-        return self.session.save_checkpoint(global_step, trainer_state)
+        return self._call("save_checkpoint", global_step, trainer_state)[0]
 
     def load_checkpoint(self) -> dict[str, Any] | None:
-        return self.session.load_checkpoint()
+        return self._call("load_checkpoint")[0]
 
     def sleep(self) -> list[dict[str, float]]:
-        return [self.session.sleep()]
+        return self._call("sleep")
 
     def wake(self) -> list[dict[str, float]]:
-        return [self.session.wake()]
+        return self._call("wake")
 
     def kill(self) -> None:
         self.close()

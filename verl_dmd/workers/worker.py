@@ -58,6 +58,21 @@ def _collect_per_rank(worker_group, output):
 SPLIT = {"dispatch_fn": _dispatch_split, "collect_fn": _collect_per_rank}
 
 
+def _ignore_stop_signals() -> None:
+    """Workers ignore SIGTERM and SIGINT: the driver finishes the phase, saves and stops them.
+
+    Schedulers (Slurm, `timeout`, `kill -- -PGID`, Ctrl-C) signal every process of a job; ray's
+    own worker handler would exit mid-phase and lose the checkpoint the driver is about to write.
+    The driver kills its workers itself (ray.kill) when it stops or fails.
+    """
+    import contextlib
+    import signal
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(ValueError):  # not the main thread
+            signal.signal(signum, signal.SIG_IGN)
+
+
 class DiffusionDistillationWorker(Worker):
     """One rank of a distillation run: builds its `RankSession` from the plan's config mapping."""
 
@@ -76,6 +91,7 @@ class DiffusionDistillationWorker(Worker):
         from verl_dmd.workers.session import RankSession, resolve_device
 
         plan = DistillationPlan.from_config(self._plan_config)
+        _ignore_stop_signals()
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         device = resolve_device(plan, local_rank)
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
