@@ -232,3 +232,50 @@ def test_console_script_exports_the_newest_checkpoint_of_a_run(full_run):
     lines = result.stderr.strip().splitlines()
     assert lines[-1].startswith("verl-dmd-export: error: no checkpoint under"), result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_end_of_run_export_keeps_its_own_and_replaces_another_runs(full_run, tmp_path):
+    """The trainer's export at the end: a directory holding this checkpoint's export is kept; one holding
+    another run's export of the same step (a restarted timeline) is replaced, never silently reused."""
+    import dataclasses
+    import shutil
+
+    from verl_dmd.checkpoint.store import CheckpointStore
+    from verl_dmd.trainer.ray_trainer import DistillationRayTrainer
+
+    _, _, plan, trained = full_run
+    plan = dataclasses.replace(
+        plan, export=dataclasses.replace(plan.export, output_dir=str(tmp_path / "exp"))
+    )
+    trainer = DistillationRayTrainer.__new__(DistillationRayTrainer)
+    trainer.plan, trainer.log = plan, lambda line: None
+    target = tmp_path / "exp" / "global_step_2" / "student_ema"
+    trainer._export(trained["path"])
+    info = json.loads((target / EXPORT_INFO).read_text())
+    assert info["manifest_sha256"] == CheckpointStore.verify(trained["path"]).manifest["manifest_sha256"]
+    stamp = (target / EXPORT_INFO).stat().st_mtime_ns
+    trainer._export(trained["path"])  # the same checkpoint: kept as it is
+    assert (target / EXPORT_INFO).stat().st_mtime_ns == stamp
+    shutil.rmtree(target / DIFFUSERS_DIR)  # pretend another run wrote this directory
+    (target / EXPORT_INFO).write_text(json.dumps({**info, "manifest_sha256": "0" * 64}))
+    trainer._export(trained["path"])
+    assert json.loads((target / EXPORT_INFO).read_text())["manifest_sha256"] == info["manifest_sha256"]
+    assert (target / DIFFUSERS_DIR / "config.json").is_file()
+
+
+def test_a_failing_write_leaves_no_partial_export(full_run, tmp_path, monkeypatch):
+    """A write that fails half way (here save_pretrained: disk full) removes the staging directory; the
+    target never appears."""
+    from diffusers import DiTTransformer2DModel
+
+    _, _, plan, trained = full_run
+
+    def disk_full(self, *args, **kwargs):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(DiTTransformer2DModel, "save_pretrained", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        export_checkpoint(
+            plan, trained["path"], output_dir=tmp_path / "out" / "student_ema", log=lambda _: None
+        )
+    assert list((tmp_path / "out").iterdir()) == []
