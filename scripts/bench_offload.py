@@ -91,6 +91,8 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--keep-reserved", action="store_true",
                         help="sleep(release=False): freed blocks stay in this process's caching allocator")  # fmt: skip
+    parser.add_argument("--no-pack", action="store_true",
+                        help="wake allocates each storage on its own (no reserved segment): the old behaviour")  # fmt: skip
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -99,12 +101,17 @@ def main(argv=None) -> int:
     from verl_dmd.runtime.offload import StateOffloader
 
     engine = build_engine(args)
-    offloader = StateOffloader(engine)
+    offloader = StateOffloader(engine, pack=not args.no_pack)
+
+    def segments() -> int:
+        return torch.cuda.memory_stats(device).get("segment.all.current", 0) if cuda else 0
+
     cuda = device.type == "cuda"
     probe = [t for t in offloader.state_tensors() if t.device.type == device.type][:8]
     checksum = [float(t.double().sum()) for t in probe]
     allocated = torch.cuda.memory_allocated(device) if cuda else 0
     reserved = torch.cuda.memory_reserved(device) if cuda else 0
+    segments_before = segments()
 
     release = not args.keep_reserved
 
@@ -127,6 +134,10 @@ def main(argv=None) -> int:
         releases.append(offloader.last["sleep_release_s"])
         wakes.append(timed(offloader.wake, device))
         wake_copies.append(offloader.last["wake_copy_s"])
+    segments_awake = segments()
+    offloader.sleep(release=release)
+    segments_asleep = segments()
+    offloader.wake()
     assert [float(t.double().sum()) for t in probe] == checksum, "state changed across sleep/wake"
 
     d2h, h2d = raw_copies(nbytes, device, args.repeats)
@@ -155,6 +166,10 @@ def main(argv=None) -> int:
         "reserved_before": reserved,
         "allocated_asleep": allocated_asleep,
         "reserved_asleep": reserved_asleep,
+        "pack": not args.no_pack,
+        "segments_before": segments_before,
+        "segments_awake_steady": segments_awake,
+        "segments_asleep_steady": segments_asleep,
     }
     gbs = {
         k: nbytes / GB / result[k]
@@ -186,6 +201,8 @@ def main(argv=None) -> int:
         print(f"device memory: allocated {allocated / 2**30:.2f} -> {allocated_asleep / 2**30:.3f} GiB asleep "
               f"({allocated_asleep / max(allocated, 1):.1%}); reserved {reserved / 2**30:.2f} -> "
               f"{reserved_asleep / 2**30:.3f} GiB")  # fmt: skip
+        print(f"allocator segments: {segments_before} at the start, {segments_awake} awake after the steady "
+              f"rounds, {segments_asleep} asleep")  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
     dist.destroy_process_group()

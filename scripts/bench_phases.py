@@ -53,6 +53,13 @@ def matmul_rate(device: torch.device, size: int = 8192, repeats: int = 20) -> fl
     return 2 * size**3 / statistics.median(times)
 
 
+def compiled_graphs() -> int:
+    """Graphs torch.compile has made in this process so far (0 without model.compile)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"].get("unique_graphs", 0))
+
+
 def make_batch(batch: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
     def randn(*shape):
         return torch.randn(*shape, generator=generator)
@@ -82,7 +89,8 @@ def run_layout(layout: str, args, device: torch.device, rate: float) -> dict:
     plan = DistillationPlan.from_config({
         "algorithm": {"fake_update_ratio": args.k, "teacher_guidance_scale": 7.0, "sigma_shift": 3.0},
         "model": {"adapter": "sd3", "storage": layout, "param_dtype": "bfloat16",
-                  "activation_checkpointing": args.activation_checkpointing,
+                  "activation_checkpointing": args.activation_checkpointing, "compile": args.compile,
+                  "reshard_after_forward": not args.keep_gathered,
                   "teacher": {"config": sd3_config(args.layers, args.hidden)},
                   "student": {"lora": lora}, "fake_score": {"lora": lora}},
         "batch": {"student": {"micro_batch_size": args.batch}, "fake_score": {"micro_batch_size": args.batch}},
@@ -110,13 +118,16 @@ def run_layout(layout: str, args, device: torch.device, rate: float) -> dict:
         controller.record(role, stepped=metrics["stepped"])
         return role, time.perf_counter() - start, metrics
 
+    warm = time.perf_counter()
     for _ in range(args.warmup * (args.k + 1)):
         phase()
+    warmup_s = time.perf_counter() - warm
     flops = {}
     for _ in range(args.k + 1):
         counter = FlopCounterMode(display=False)
         role = controller.next_phase()
-        with counter:
+        # The FLOPs of the model as written: compiled blocks run eagerly while counting.
+        with counter, torch.compiler.set_stance("force_eager"):
             request = PhaseRequest(role=role, global_step=controller.global_step, role_step=0,
                                    phase_index=controller.phase_index)  # fmt: skip
             metrics = runtime.run_phase(request, make_batch(args.batch, generator))
@@ -159,6 +170,10 @@ def run_layout(layout: str, args, device: torch.device, rate: float) -> dict:
         "mfu_fake": flops["fake_score"] / fake_s / rate,
         "mfu_cycle": cycle_flops / cycle_s / rate,
         "peak_bytes": peak,
+        "warmup_s": warmup_s,
+        "compile": args.compile,
+        "reshard_after_forward": not args.keep_gathered,
+        "compiled_graphs": compiled_graphs(),
         "parameter_bytes": engine.parameter_bytes(),
     }
     return result
@@ -177,6 +192,9 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=1, help="untimed cycles")
     parser.add_argument("--repeats", type=int, default=3, help="timed cycles")
     parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--compile", action="store_true", help="model.compile=true: torch.compile each block")
+    parser.add_argument("--keep-gathered", action="store_true",
+                        help="model.reshard_after_forward=false: keep gathered weights until the role changes")  # fmt: skip
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument(
         "--profile", type=Path, default=None, help="write a torch.profiler table per layout here"
@@ -199,7 +217,8 @@ def main(argv=None) -> int:
         results.append(result)
         print(json.dumps(result), flush=True)
     print(f"\nSD3-shaped, {args.layers} layers x {args.hidden}, batch {args.batch}, 1024x1024, K={args.k}, "
-          f"LoRA rank {args.lora_rank} (none for independent_full), CFG on")  # fmt: skip
+          f"LoRA rank {args.lora_rank} (none for independent_full), CFG on, compile {args.compile}, "
+          f"reshard_after_forward {not args.keep_gathered}")  # fmt: skip
     print("| layout | student phase s | fake phase s | cycle s | ideal cycle s | MFU cycle | peak GiB |")
     print("|---|---|---|---|---|---|---|")
     for r in results:

@@ -283,6 +283,10 @@ INVALID = [
 ]
 
 
+INVALID.append(({"data.name": "digits", "validation.num_samples": 8}, "validation.num_samples"))
+INVALID.append(({"model.compile": True, "model.compile_backend": "nope"}, "model.compile_backend"))
+
+
 @pytest.mark.parametrize(("overrides", "key"), INVALID, ids=[key for _, key in INVALID])
 def test_invalid_value_is_one_line_error_naming_the_key(overrides, key):
     """Each invalid value fails at build time with one line naming the key and the value."""
@@ -373,6 +377,8 @@ ALTERNATIVES = {
     "model.activation_checkpointing": True,
     "model.fsdp_units": "model",
     "model.reshard_after_forward": False,
+    "model.compile": True,
+    "model.compile_backend": "aot_eager",
     "model.teacher.path": None,  # changed as a whole source below
     "model.teacher.subfolder": None,
     "model.teacher.config": {"sample_size": 8, "num_layers": 3},
@@ -421,7 +427,7 @@ ALTERNATIVES = {
     "checkpoint.resume": "disable",
     "checkpoint.verify_hashes": True,
     "validation.every": 100,
-    "validation.num_samples": 8,
+    "validation.num_samples": 16,
     "validation.sampling_steps": [1, 2, 4],
     "validation.roles": ["teacher"],
     "export.role": "student",

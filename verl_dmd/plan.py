@@ -59,6 +59,8 @@ RESUME_MUTABLE_KEYS: tuple[str, ...] = (
     "model.activation_checkpointing",
     "model.reshard_after_forward",
     "model.fsdp_units",
+    "model.compile",
+    "model.compile_backend",
     "model.teacher.cpu_offload",
     "resources",
     "checkpoint",
@@ -193,6 +195,12 @@ class ModelSpec:
     reshard_after_forward: bool = True
     """FSDP2: free gathered block weights after each forward (the root keeps its own until backward); false
     keeps every unit's until the role changes (same math, fewer all-gathers, more memory)."""
+    compile: bool = False
+    """torch.compile each FSDP2 unit's forward (the transformer blocks; not the hooks around them): fuses
+    the elementwise work between matmuls and cuts kernel launches. Numerics change by rounding only; the
+    first phases of each role pay the compilation (about a minute for SD3-medium on an H200)."""
+    compile_backend: str = "inductor"
+    """The torch.compile backend when model.compile is on (aot_eager: no code generation, for tests)."""
     teacher: TeacherSpec = field(default_factory=TeacherSpec)
     student: TrainableModelSpec = field(default_factory=TrainableModelSpec)
     fake_score: TrainableModelSpec = field(default_factory=TrainableModelSpec)
@@ -205,6 +213,17 @@ class ModelSpec:
                 "must name a registered model adapter",
                 "set model.adapter (e.g. digits, sd3, flux, wan)",
             )
+        if self.compile:
+            from torch._dynamo import list_backends
+
+            backends = list_backends(exclude_tags=())
+            if self.compile_backend not in backends:
+                raise _error(
+                    f"{key}.compile_backend",
+                    self.compile_backend,
+                    f"must be a torch.compile backend ({', '.join(sorted(backends))})",
+                    f"set {key}.compile_backend=inductor",
+                )
         self.teacher.validate(f"{key}.teacher")
         for role in ("student", "fake_score"):
             spec: TrainableModelSpec = getattr(self, role)
@@ -698,6 +717,13 @@ class DistillationPlan:
                 list(self.validation.roles),
                 "ema.enabled is false, so student_ema cannot be sampled",
                 "remove student_ema from validation.roles or set ema.enabled=true",
+            )
+        if self.data.name == "digits" and self.validation.num_samples < 10:
+            raise _error(
+                "validation.num_samples",
+                self.validation.num_samples,
+                "the digits quality table needs at least one sample per class (10)",
+                "set validation.num_samples to 10 or more (64 is the default)",
             )
         if "peft" in self.export.formats and not self.model.student.lora.enabled:
             raise _error(

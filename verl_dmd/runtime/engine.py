@@ -184,6 +184,8 @@ class RoleEngine:
             self._shard(
                 model, offload=model is self.models.get("teacher") or self.layout == "shared_base_adapters"
             )
+        if plan.model.compile:
+            self._compile_units()
         self.params: dict[Role, list[nn.Parameter]] = {}
         self.param_names: dict[int, str] = {}
         self._collect_parameters()
@@ -284,6 +286,29 @@ class RoleEngine:
         for unit in units:
             fully_shard(unit, **kwargs)
         fully_shard(model, **kwargs)
+
+    # Guard variants one block's compiled forward needs: roles (adapters on/off, which adapter),
+    # grad mode, train/eval, the blocks that differ (e.g. SD3's last, context_pre_only): 15 were seen
+    # for SD3 with EMA. torch's default of 8 would make the rest run eagerly, silently.
+    COMPILE_CACHE_SIZE = 64
+
+    def _compile_units(self) -> None:
+        """torch.compile the forward of every FSDP2 unit the adapter lists (model.compile).
+
+        Only the unit's own `forward` is compiled (an instance attribute over the class's): FSDP2's
+        hooks and activation-checkpoint wrappers stay outside the graph. Blocks of one class share
+        their code, so one compilation per guard variant serves all of them; a role switch (PEFT's
+        active adapter, adapters disabled, requires_grad) is a guard, so a stale graph cannot run.
+        """
+        from torch._dynamo import config as dynamo_config
+
+        if dynamo_config.cache_size_limit < self.COMPILE_CACHE_SIZE:
+            dynamo_config.cache_size_limit = self.COMPILE_CACHE_SIZE
+        backend = self.plan.model.compile_backend
+        for model in self.models.values():
+            for unit in self.adapter.fsdp_units(model):
+                inner = getattr(unit, "_checkpoint_wrapped_module", unit)
+                inner.forward = torch.compile(inner.forward, backend=backend)
 
     def _collect_parameters(self) -> None:
         """Partition every parameter into exactly one role (or the frozen base); assert it."""
