@@ -126,8 +126,9 @@ def test_trap_lazy_init_fixes_gradient_dtypes(results):
 
 
 def test_trap_frozen_forward_between_student_forward_and_backward(results):
-    """Guard: the trainable set is re-asserted after every role switch (RoleEngine._activate).
-    Without it the teacher/fake-score forwards inside a student phase freeze the student's
+    """Guard: a role switch never freezes the trainable role (RoleEngine._switch_adapter touches no
+    flag; _activate re-asserts the trainable set). Switching through PEFT's API without the
+    re-assertion, the teacher/fake-score forwards inside a student phase freeze the student's
     LoRA before backward: zero gradient, no update, and the phase still reports success."""
     got = scenario(results, "trap_switch_between_forward_and_backward")
     assert got["guarded"]["grad_norm"] > 0 and got["guarded"]["moved"]
@@ -142,14 +143,28 @@ def test_trap_leaving_disabled_adapters_restores_trainable_set(results):
     assert got["unguarded"]["fake_score"] == [False]
 
 
-def test_trap_reshard_before_switching_adapters(results):
-    """Guard: RoleEngine.reshard before every switch. With LoRA on a root-unit module (proj_out),
-    flags flipped on gathered copies are lost at the next reshard: without the guard that
-    module's LoRA silently gets no gradient."""
-    got = scenario(results, "trap_reshard_before_switch")
+def test_trap_switching_adapters_flips_no_flags(results):
+    """Guard: RoleEngine._switch_adapter sets PEFT's active adapter without PEFT's requires_grad side
+    effects, so gathered copies (kept across the switches inside a phase) keep their flags. With
+    LoRA on a root-unit module (proj_out), switching through PEFT's set_adapter flips the flags of
+    the gathered copies after the student's forward: that module's LoRA silently gets no gradient."""
+    got = scenario(results, "trap_switch_flips_no_flags")
     assert got["guarded"]["root_lora_moved"] and got["guarded"]["block_lora_moved"]
     assert not got["unguarded"]["root_lora_moved"] and got["unguarded"]["block_lora_moved"]
     assert got["unguarded"]["grad_norm"] < got["guarded"]["grad_norm"]
+
+
+def test_role_switches_inside_a_phase_regather_nothing(results):
+    """Inside a phase the frozen forwards (fake score, teacher) switch roles without resharding: a
+    phase reshards exactly twice (entering and leaving), with or without reshard_after_forward, in
+    both layouts, and the trained weights equal resharding at every switch bit for bit."""
+    got = scenario(results, "switch_keeps_gathered")
+    assert set(got) == {f"{layout}/{flag}" for layout in ("shared_base_adapters", "independent")
+                        for flag in (True, False)}  # fmt: skip
+    for case, value in got.items():
+        assert value["equal"], case
+        assert value["reshards"] == 2 * 3, (case, value)
+        assert value["reference_reshards"] > value["reshards"], (case, value)
 
 
 def test_trap_ema_swap_reshards_first(results):

@@ -260,12 +260,73 @@ def trap_lazy_init_dtype(rank, world):
     return out
 
 
+def _switch_with_peft(self, role):
+    """Switching through PEFT's API, which sets requires_grad on adapter weights as a side effect
+    (what RoleEngine._switch_adapter avoids)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for module in self.models["base"].modules():
+        if isinstance(module, BaseTunerLayer):
+            if role is Role.TEACHER:
+                module.enable_adapters(False)
+            else:
+                module.enable_adapters(True)
+                module.set_adapter(Role.STUDENT.value if role is None else role.value, inference_mode=True)
+
+
 def _activate_without_reassert(self, role):
-    """RoleEngine._activate minus its final re-assertion of the trainable set."""
+    """A switch through PEFT's API with no re-assertion of the trainable set afterwards."""
     self.reshard()
     if self.layout == SHARED:
-        self._switch_adapter(role)
+        _switch_with_peft(self, role)
     self._active = role
+
+
+_REAL_ACTIVATE = RoleEngine._activate
+
+
+def _activate_always_resharding(self, role):
+    """RoleEngine._activate resharding at every switch, also inside a phase (the reference)."""
+    self.reshard()
+    _REAL_ACTIVATE(self, role)
+
+
+def switch_keeps_gathered(rank, world):
+    """Role switches inside a phase re-gather nothing, and the numbers equal resharding at every switch."""
+    out = {}
+    for layout in (SHARED, "independent"):
+        for reshard_after_forward in (True, False):
+            overrides = {"model.reshard_after_forward": reshard_after_forward}
+
+            def train(reference: bool, layout=layout, overrides=overrides):
+                _, adapter, engine, runtime = _setup(layout, **overrides)
+                calls = []
+                real = engine.reshard
+                engine.reshard = lambda: calls.append(1) or real()
+                context = (
+                    patched(RoleEngine, "_activate", _activate_always_resharding)
+                    if reference
+                    else contextlib.nullcontext()
+                )
+                with context:
+                    for step, role in enumerate((Role.STUDENT, Role.FAKE_SCORE, Role.STUDENT)):
+                        runtime.run_phase(
+                            _request(role, step), _batch(adapter, engine, rank, world, seed=step)
+                        )
+                state = [*_weights(engine, Role.STUDENT), *_weights(engine, Role.FAKE_SCORE)]
+                state += [full(t).detach().clone() for t in engine.independent_ema]
+                if layout == SHARED:
+                    state += _weights(engine, Role.STUDENT_EMA)
+                return state, len(calls)
+
+            kept, reshards = train(False)
+            reference, reference_reshards = train(True)
+            out[f"{layout}/{reshard_after_forward}"] = {
+                "equal": all(torch.equal(a, b) for a, b in zip(kept, reference, strict=True)),
+                "reshards": reshards,
+                "reference_reshards": reference_reshards,
+            }
+    return out
 
 
 def trap_switch_between_forward_and_backward(rank, world):
@@ -304,7 +365,7 @@ def trap_flags_after_disable(rank, world):
     return {"guarded": guarded, "unguarded": unguarded}
 
 
-def trap_reshard_before_switch(rank, world):
+def trap_switch_flips_no_flags(rank, world):
     """Flags flipped while parameters are gathered come back stale at the next reshard."""
 
     def attempt():
@@ -325,7 +386,7 @@ def trap_reshard_before_switch(rank, world):
         }
 
     guarded = _error(attempt) or attempt()
-    with patched(RoleEngine, "reshard", lambda self: None):
+    with patched(RoleEngine, "_switch_adapter", _switch_with_peft):
         unguarded = _error(attempt) or attempt()
     return {"guarded": guarded, "unguarded": unguarded}
 
@@ -514,7 +575,8 @@ SCENARIOS = {
     "trap_lazy_init_dtype": trap_lazy_init_dtype,
     "trap_switch_between_forward_and_backward": trap_switch_between_forward_and_backward,
     "trap_flags_after_disable": trap_flags_after_disable,
-    "trap_reshard_before_switch": trap_reshard_before_switch,
+    "trap_switch_flips_no_flags": trap_switch_flips_no_flags,
+    "switch_keeps_gathered": switch_keeps_gathered,
     "trap_ema_swap_needs_reshard": trap_ema_swap_needs_reshard,
     "trap_adapter_after_shard": trap_adapter_after_shard,
     "trap_cpu_offload_pin_memory": trap_cpu_offload_pin_memory,

@@ -194,7 +194,7 @@ class ModelSpec:
     fewer, larger all-gathers; for small models and slow interconnects). Same math."""
     reshard_after_forward: bool = True
     """FSDP2: free gathered block weights after each forward (the root keeps its own until backward); false
-    keeps every unit's until the role changes (same math, fewer all-gathers, more memory)."""
+    keeps every unit's until the phase ends (same math, fewer all-gathers, more memory)."""
     compile: bool = False
     """torch.compile each FSDP2 unit's forward (the transformer blocks; not the hooks around them): fuses
     the elementwise work between matmuls and cuts kernel launches. Numerics change by rounding only; the

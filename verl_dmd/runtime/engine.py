@@ -163,6 +163,7 @@ class RoleEngine:
         self._active: Role | None = None
         self._trainable: Role | None = None
         self._modes: dict[str, bool] = {}  # model name -> the train/eval mode this engine last set
+        self._tuner_layer_cache: list[nn.Module] | None = None
 
         # Same seed on every rank: random init (configs, LoRA A matrices) must agree.
         torch.manual_seed(plan.trainer.seed)
@@ -264,8 +265,8 @@ class RoleEngine:
         )
         kwargs = {"mesh": self.mesh, "mp_policy": mp_policy}
         if not self.plan.model.reshard_after_forward:
-            # Keep gathered weights after forward; the engine reshards every unit itself whenever the
-            # role changes (use_role / trainable). Otherwise FSDP2's default: non-root units reshard
+            # Keep gathered weights after forward; the engine reshards every unit itself when a phase
+            # ends and at role switches outside phases. Otherwise FSDP2's default: non-root units reshard
             # after forward, the root keeps its weights until backward (passing True would reshard the
             # root too, and an autograd.grad through it after its forward then fails: TRAPS-like, seen
             # in the GAN generator term).
@@ -423,10 +424,19 @@ class RoleEngine:
             self._activate(previous)
 
     def _activate(self, role: Role | None) -> None:
-        self.reshard()  # flags flipped on gathered copies are lost at the next reshard (TRAPS)
+        """Make `role` the active one.
+
+        Inside a phase (a trainable role is set) gathered weights stay gathered: a switch flips no
+        parameter flag (the trainable set is fixed for the phase), so the frozen forwards between the
+        trainable role's forward and its backward re-gather nothing; only the EMA swap rewrites shards.
+        Outside a phase every switch reshards, so sampling, checkpoints and `verify_layout` see shards.
+        """
+        if self._trainable is None:
+            self.reshard()
         if self.layout == "shared_base_adapters":
             self._switch_adapter(role)
         elif role is not self._active and Role.STUDENT_EMA in (role, self._active):
+            self.reshard()  # the swap rewrites the student's shards: gathered copies would be stale
             self._swap_ema()
         self._active = role
         self._apply_modes()
@@ -448,18 +458,25 @@ class RoleEngine:
                 self._modes[name] = wanted
 
     def _switch_adapter(self, role: Role | None) -> None:
+        """Point every LoRA layer at `role`'s adapter (the teacher: adapters off), touching no parameter.
+
+        PEFT's `set_adapter` / `enable_adapters` also set `requires_grad` on the adapter weights, and
+        on gathered FSDP2 copies those flags are lost at the next reshard (TRAPS), which forced a
+        reshard (and a re-gather of every unit) at each switch. The two attributes they read in
+        forward are set directly instead; `_apply_trainable` alone owns `requires_grad`.
+        """
         from peft.tuners.tuners_utils import BaseTunerLayer
 
-        base = self.models["base"]
-        name = Role.STUDENT.value if role is None else role.value
-        for module in base.modules():
-            if isinstance(module, BaseTunerLayer):
-                if role is Role.TEACHER:
-                    module.enable_adapters(False)
-                else:
-                    module.enable_adapters(True)
-                    # inference_mode freezes everything; _apply_trainable sets the real flags.
-                    module.set_adapter(name, inference_mode=True)
+        disabled = role is Role.TEACHER
+        active = [Role.STUDENT.value if role is None or disabled else role.value]
+        for module in self._tuner_layers(BaseTunerLayer):
+            module._disable_adapters = disabled
+            module._active_adapter = active
+
+    def _tuner_layers(self, kind) -> list[nn.Module]:
+        if self._tuner_layer_cache is None:
+            self._tuner_layer_cache = [m for m in self.models["base"].modules() if isinstance(m, kind)]
+        return self._tuner_layer_cache
 
     def _swap_ema(self) -> None:
         """Exchange the student's shards with the EMA shards in place (independent layout)."""
