@@ -194,7 +194,7 @@ def main(argv=None) -> int:
     parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--compile", action="store_true", help="model.compile=true: torch.compile each block")
     parser.add_argument("--keep-gathered", action="store_true",
-                        help="model.reshard_after_forward=false: keep gathered weights until the role changes")  # fmt: skip
+                        help="model.reshard_after_forward=false: keep gathered weights until the phase ends")  # fmt: skip
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument(
         "--profile", type=Path, default=None, help="write a torch.profiler table per layout here"
