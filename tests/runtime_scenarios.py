@@ -99,10 +99,10 @@ def probe_batch(adapter, model, world_size: int) -> dict[str, torch.Tensor]:
     return global_batch(adapter, model, world_size, 99)
 
 
-def train_and_probe(rank: int, world_size: int, family: str, layout: str) -> dict:
+def train_and_probe(rank: int, world_size: int, family: str, layout: str, **overrides) -> dict:
     """PHASES phases on this rank's share of each global batch; then full weights, per-role
     forwards, and the full gradients of one more student phase from the trained state."""
-    plan = make_plan(family, layout)
+    plan = make_plan(family, layout, **overrides)
     adapter = get_adapter(family)()
     engine = RoleEngine(plan, adapter)
     runtime = DistillationRoleRuntime(engine, ReferenceRegressionComputer(adapter))
@@ -166,3 +166,17 @@ def all_cases(rank: int, world_size: int) -> dict:
             with default_dtype(dtype):
                 results[f"{family}/{layout}/{dtype_name}"] = train_and_probe(rank, world_size, family, layout)
     return results
+
+
+def compiled_and_eager(rank: int, world_size: int, layout: str) -> dict:
+    """The same training and probes with model.compile (aot_eager: dynamo's capture and guards and
+    AOTAutograd's forward/backward graphs, without code generation) and without, in float64."""
+    from torch._dynamo.utils import counters
+
+    compiled_options = {"model.compile": True, "model.compile_backend": "aot_eager"}
+    with default_dtype(torch.float64):
+        eager = train_and_probe(rank, world_size, "sd3", layout)
+        before = int(counters["stats"].get("unique_graphs", 0))
+        compiled = train_and_probe(rank, world_size, "sd3", layout, **compiled_options)
+        graphs = int(counters["stats"].get("unique_graphs", 0)) - before
+    return {"eager": eager, "compiled": compiled, "graphs": graphs}
