@@ -91,8 +91,8 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--keep-reserved", action="store_true",
                         help="sleep(release=False): freed blocks stay in this process's caching allocator")  # fmt: skip
-    parser.add_argument("--no-pack", action="store_true",
-                        help="wake allocates each storage on its own (no reserved segment): the old behaviour")  # fmt: skip
+    parser.add_argument("--pack", action="store_true",
+                        help="StateOffloader(pack=True): wake cuts the storages from one reserved segment")  # fmt: skip
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -101,7 +101,7 @@ def main(argv=None) -> int:
     from verl_dmd.runtime.offload import StateOffloader
 
     engine = build_engine(args)
-    offloader = StateOffloader(engine, pack=not args.no_pack)
+    offloader = StateOffloader(engine, pack=args.pack)
 
     def segments() -> int:
         return torch.cuda.memory_stats(device).get("segment.all.current", 0) if cuda else 0
@@ -137,6 +137,8 @@ def main(argv=None) -> int:
     segments_awake = segments()
     offloader.sleep(release=release)
     segments_asleep = segments()
+    # After the steady rounds, not only after the first sleep: a pool that keeps its segments shows here.
+    reserved_asleep_steady = torch.cuda.memory_reserved(device) if cuda else 0
     offloader.wake()
     assert [float(t.double().sum()) for t in probe] == checksum, "state changed across sleep/wake"
 
@@ -166,10 +168,11 @@ def main(argv=None) -> int:
         "reserved_before": reserved,
         "allocated_asleep": allocated_asleep,
         "reserved_asleep": reserved_asleep,
-        "pack": not args.no_pack,
+        "pack": args.pack,
         "segments_before": segments_before,
         "segments_awake_steady": segments_awake,
         "segments_asleep_steady": segments_asleep,
+        "reserved_asleep_steady": reserved_asleep_steady,
     }
     gbs = {
         k: nbytes / GB / result[k]
@@ -202,7 +205,10 @@ def main(argv=None) -> int:
               f"({allocated_asleep / max(allocated, 1):.1%}); reserved {reserved / 2**30:.2f} -> "
               f"{reserved_asleep / 2**30:.3f} GiB")  # fmt: skip
         print(f"allocator segments: {segments_before} at the start, {segments_awake} awake after the steady "
-              f"rounds, {segments_asleep} asleep")  # fmt: skip
+              f"rounds, {segments_asleep} asleep; reserved asleep after the steady rounds "
+              f"{reserved_asleep_steady / 2**30:.3f} GiB")  # fmt: skip
+        if release and reserved_asleep_steady > 0.05 * reserved:
+            print("WARNING: sleep(release=True) did not return the memory in the steady rounds")
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
     dist.destroy_process_group()

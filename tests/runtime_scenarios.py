@@ -171,9 +171,19 @@ def all_cases(rank: int, world_size: int) -> dict:
 def compiled_and_eager(rank: int, world_size: int, layout: str) -> dict:
     """The same training and probes with model.compile (aot_eager: dynamo's capture and guards and
     AOTAutograd's forward/backward graphs, without code generation) and without, in float64."""
+    from torch._dynamo import config as dynamo_config
     from torch._dynamo.utils import counters
 
-    compiled_options = {"model.compile": True, "model.compile_backend": "aot_eager"}
+    # Running out of graph variants would fall back to eager silently, and eager equals eager: fail.
+    dynamo_config.fail_on_recompile_limit_hit = True
+    # Compiled with the other same-math settings flipped too (activation checkpointing wraps the
+    # compiled blocks; kept-gathered weights), against plain eager.
+    compiled_options = {
+        "model.compile": True,
+        "model.compile_backend": "aot_eager",
+        "model.activation_checkpointing": True,
+        "model.reshard_after_forward": False,
+    }
     with default_dtype(torch.float64):
         eager = train_and_probe(rank, world_size, "sd3", layout)
         before = int(counters["stats"].get("unique_graphs", 0))

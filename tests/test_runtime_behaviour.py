@@ -157,9 +157,11 @@ def test_trap_switching_adapters_flips_no_flags(results):
 def test_role_switches_inside_a_phase_regather_nothing(results):
     """Inside a phase the frozen forwards (fake score, teacher) switch roles without resharding: a
     phase reshards exactly twice (entering and leaving), with or without reshard_after_forward, in
-    both layouts, and the trained weights equal resharding at every switch bit for bit."""
+    both layouts, and the trained weights equal resharding at every switch bit for bit, for the
+    reference computer and for DMD2 with CFG, backward simulation, regression and both GAN terms."""
     got = scenario(results, "switch_keeps_gathered")
-    assert set(got) == {f"{layout}/{flag}" for layout in ("shared_base_adapters", "independent")
+    assert set(got) == {f"{computer}/{layout}/{flag}" for computer in ("reference", "dmd2")
+                        for layout in ("shared_base_adapters", "independent")
                         for flag in (True, False)}  # fmt: skip
     for case, value in got.items():
         assert value["equal"], case

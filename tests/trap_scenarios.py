@@ -292,41 +292,83 @@ def _activate_always_resharding(self, role):
 
 
 def switch_keeps_gathered(rank, world):
-    """Role switches inside a phase re-gather nothing, and the numbers equal resharding at every switch."""
+    """Role switches inside a phase re-gather nothing, and the numbers equal resharding at every switch.
+
+    Two computers: the reference regression computer, and DMD2 with CFG, a 3-step student, the
+    regression term and both GAN terms (the generator term takes autograd.grad through the fake
+    score inside a student phase, after the student's forward, with its units possibly still
+    gathered), in both layouts, with and without reshard_after_forward.
+    """
+    from dmd2_scenarios import dmd2_batch, dmd2_plan
+
+    from verl_dmd.algorithms.dmd2 import DMD2Computer
+
+    dmd2_overrides = {k: v for k, v in _plan_overrides(dmd2_plan()).items()}
     out = {}
-    for layout in (SHARED, "independent"):
-        for reshard_after_forward in (True, False):
-            overrides = {"model.reshard_after_forward": reshard_after_forward}
+    for computer_name in ("reference", "dmd2"):
+        for layout in (SHARED, "independent"):
+            for reshard_after_forward in (True, False):
+                overrides = {"model.reshard_after_forward": reshard_after_forward}
+                if computer_name == "dmd2":
+                    overrides.update(dmd2_overrides)
 
-            def train(reference: bool, layout=layout, overrides=overrides):
-                _, adapter, engine, runtime = _setup(layout, **overrides)
-                calls = []
-                real = engine.reshard
-                engine.reshard = lambda: calls.append(1) or real()
-                context = (
-                    patched(RoleEngine, "_activate", _activate_always_resharding)
-                    if reference
-                    else contextlib.nullcontext()
-                )
-                with context:
-                    for step, role in enumerate((Role.STUDENT, Role.FAKE_SCORE, Role.STUDENT)):
-                        runtime.run_phase(
-                            _request(role, step), _batch(adapter, engine, rank, world, seed=step)
-                        )
-                state = [*_weights(engine, Role.STUDENT), *_weights(engine, Role.FAKE_SCORE)]
-                state += [full(t).detach().clone() for t in engine.independent_ema]
-                if layout == SHARED:
-                    state += _weights(engine, Role.STUDENT_EMA)
-                return state, len(calls)
+                def train(reference: bool, layout=layout, overrides=overrides, computer_name=computer_name):
+                    plan = make_plan(FAMILY, layout, **overrides)
+                    adapter = get_adapter(FAMILY)()
+                    engine = RoleEngine(plan, adapter)
+                    if computer_name == "dmd2":
+                        computer = DMD2Computer(adapter, plan.algorithm, seed=plan.trainer.seed, rank=rank)
+                    else:
+                        computer = ReferenceRegressionComputer(adapter)
+                    runtime = DistillationRoleRuntime(engine, computer)
+                    calls = []
+                    real = engine.reshard
+                    engine.reshard = lambda: calls.append(1) or real()
+                    context = (
+                        patched(RoleEngine, "_activate", _activate_always_resharding)
+                        if reference
+                        else contextlib.nullcontext()
+                    )
+                    with context:
+                        for step, role in enumerate((Role.FAKE_SCORE, Role.STUDENT, Role.FAKE_SCORE)):
+                            if computer_name == "dmd2":
+                                batch = local_part(
+                                    dmd2_batch(adapter, engine.module_for(role), 4 * world, seed=step),
+                                    rank,
+                                    world,
+                                )
+                            else:
+                                batch = _batch(adapter, engine, rank, world, seed=step)
+                            runtime.run_phase(_request(role, step), batch)
+                    state = [*_weights(engine, Role.STUDENT), *_weights(engine, Role.FAKE_SCORE)]
+                    state += [full(t).detach().clone() for t in engine.independent_ema]
+                    if layout == SHARED:
+                        state += _weights(engine, Role.STUDENT_EMA)
+                    return state, len(calls)
 
-            kept, reshards = train(False)
-            reference, reference_reshards = train(True)
-            out[f"{layout}/{reshard_after_forward}"] = {
-                "equal": all(torch.equal(a, b) for a, b in zip(kept, reference, strict=True)),
-                "reshards": reshards,
-                "reference_reshards": reference_reshards,
-            }
+                kept, reshards = train(False)
+                reference, reference_reshards = train(True)
+                out[f"{computer_name}/{layout}/{reshard_after_forward}"] = {
+                    "equal": all(torch.equal(a, b) for a, b in zip(kept, reference, strict=True)),
+                    "reshards": reshards,
+                    "reference_reshards": reference_reshards,
+                }
     return out
+
+
+def _plan_overrides(plan) -> dict:
+    """The algorithm/batch/optim/data settings of a DMD2 test plan as make_plan overrides."""
+    return {
+        "algorithm.teacher_guidance_scale": plan.algorithm.teacher_guidance_scale,
+        "algorithm.student_steps": plan.algorithm.student_steps,
+        "algorithm.sigma_shift": plan.algorithm.sigma_shift,
+        "batch.student.accumulation_steps": 1,
+        "batch.fake_score.accumulation_steps": 1,
+        "algorithm.regression_weight": plan.algorithm.regression_weight,
+        "algorithm.gan_generator_weight": plan.algorithm.gan_generator_weight,
+        "algorithm.gan_discriminator_weight": plan.algorithm.gan_discriminator_weight,
+        "data.regression_pairs_path": plan.data.regression_pairs_path,
+    }
 
 
 def trap_switch_between_forward_and_backward(rank, world):

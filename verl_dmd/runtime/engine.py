@@ -304,7 +304,14 @@ class RoleEngine:
         from torch._dynamo import config as dynamo_config
 
         if dynamo_config.cache_size_limit < self.COMPILE_CACHE_SIZE:
+            logger.info(
+                "model.compile: raising torch._dynamo.config.cache_size_limit from %d to %d (process-wide)",
+                dynamo_config.cache_size_limit,
+                self.COMPILE_CACHE_SIZE,
+            )
             dynamo_config.cache_size_limit = self.COMPILE_CACHE_SIZE
+        # After this, never deepcopy a model: the copy's `forward` would still be the compiled function
+        # bound to the original module (the independent layout copies models before sharding, above).
         backend = self.plan.model.compile_backend
         for model in self.models.values():
             for unit in self.adapter.fsdp_units(model):
@@ -471,7 +478,7 @@ class RoleEngine:
         active = [Role.STUDENT.value if role is None or disabled else role.value]
         for module in self._tuner_layers(BaseTunerLayer):
             module._disable_adapters = disabled
-            module._active_adapter = active
+            module._active_adapter = list(active)  # a list per layer, as set_adapter leaves it
 
     def _tuner_layers(self, kind) -> list[nn.Module]:
         if self._tuner_layer_cache is None:

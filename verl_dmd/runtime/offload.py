@@ -15,7 +15,8 @@ parameter objects, optimizer bindings, DTensor specs, padding, strides, dtypes,
   allocation runs at about 2 GB/s, far slower than the copies) and reused; the
   copies are non-blocking on one stream and synchronised once. After sleep the
   caching allocator's free blocks are released (`torch.cuda.empty_cache`), so the
-  memory is available to other processes. Wake allocates the storages inside a
+  memory is available to other processes. With `pack=True` (off by default until
+  its release path is measured on a GPU) wake allocates the storages inside a
   private memory pool, cut from one reserved segment: the driver then frees one
   segment at the next sleep instead of hundreds (each free costs ~40 us and waits
   for the device; see `StateOffloader._packed`).
@@ -29,6 +30,7 @@ The engine must be resharded (no gathered copies alive): `sleep` does it.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from dataclasses import dataclass
 
@@ -38,6 +40,16 @@ from verl_dmd.runtime.engine import local_tensor
 
 _SMALL_BLOCK = 1 << 20
 """Bytes up to which torch's CUDA caching allocator serves a request from its 2 MB small-block segments."""
+
+
+def _packing_works() -> bool:
+    """Packing relies on the default allocator splitting one large free block; these settings stop it
+    (max_split_size_mb never splits oversize blocks, the others change rounding or the allocator)."""
+    conf = ",".join(os.environ.get(k, "") for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")).lower()
+    return not any(
+        key in conf
+        for key in ("max_split_size_mb", "expandable_segments:true", "cudamallocasync", "roundup_power2")
+    )
 
 
 @dataclass
@@ -57,13 +69,16 @@ class StateOffloader:
 
     ALIGN = 512  # bytes: keeps every slot of the host buffer aligned for fast copies
 
-    def __init__(self, engine, *, pack: bool = True) -> None:
+    def __init__(self, engine, *, pack: bool = False) -> None:
         self.engine = engine
-        self.pack = pack  # wake allocates the storages in few device segments (see `_packed`)
+        # pack: wake allocates the storages in few device segments (see `_packed`). Off by default: its
+        # release path (dropping the pool at sleep) is not yet measured on a GPU (docs/benchmarks.md).
+        self.pack = pack
         self.asleep = False
         self._buffer: torch.Tensor | None = None
         self._slots: list[_Slot] = []
-        self._pool = None  # torch.cuda.MemPool for the state's storages, made at the first wake
+        self._pool = None  # torch.cuda.MemPool for the state's storages (pack=True), made at a wake
+        self._pool_bytes = 0
         self._cache: tuple[tuple[int, ...], list[torch.UntypedStorage], list[torch.Tensor]] | None = None
         self.last: dict[str, float] = {}
 
@@ -103,24 +118,31 @@ class StateOffloader:
 
     @contextlib.contextmanager
     def _packed(self):
-        """Allocate the storages of a wake in as few device segments as possible.
+        """Allocate the storages of a wake in as few device segments as possible (`pack=True`).
 
         Returning memory to the driver costs one `cudaFree` per segment of the caching allocator
         (about 40 us each on an H200, and each one waits for the device), not per byte: 15 GB in one
-        segment frees in about 7 ms, in 1,280 segments of 12 MB in about 55 ms. The storages of a
-        sharded model are thousands of separate allocations, so left alone they occupy hundreds of
-        segments. Here every storage above the small-block size is cut from one segment reserved
-        first (the allocator splits a free block to serve a smaller request), inside a private
-        memory pool so that no other tensor lands in that segment and keeps it from being freed.
+        segment frees in 5-9 ms, in 1,280 segments of 12 MB in 53-61 ms (scripts/bench_release.py).
+        The storages of a sharded model are thousands of separate allocations, so left alone they
+        occupy hundreds of segments. Here every storage above the small-block size is cut from one
+        segment reserved first (the allocator splits a free block to serve a smaller request),
+        inside a private memory pool so that no other tensor lands in that segment and keeps it
+        from being freed. The pool holds its segments until it is destroyed (`torch.cuda.empty_cache`
+        skips a pool that is still referenced), so a releasing sleep drops it, and a wake makes a new
+        one when the state's size changed (AdamW creates its state at the first step).
         """
         device = self.engine.device
-        if self._pool is None:
-            # First wake: the storages' old blocks sit free in the default pool when the sleep kept them
-            # (release=False); return them before the pool takes the same amount again.
-            torch.cuda.empty_cache()
-            self._pool = torch.cuda.MemPool()
-        large = sum(-(-s.nbytes // self.ALIGN) * self.ALIGN for s in self._slots if s.nbytes > _SMALL_BLOCK)
         index = device.index if device.index is not None else torch.cuda.current_device()
+        large = sum(-(-s.nbytes // self.ALIGN) * self.ALIGN for s in self._slots if s.nbytes > _SMALL_BLOCK)
+        if self._pool is not None and self._pool_bytes != large:
+            self._pool = None  # asleep, so every block in it is free: its destructor frees the segments
+        if self._pool is None:
+            # Blocks of the state sitting free in the default pool (a first sleep with release=False)
+            # go back to the driver before the pool takes the same amount again.
+            torch.cuda.empty_cache()
+            with torch.cuda.device(index):
+                self._pool = torch.cuda.MemPool()
+            self._pool_bytes = large
         with torch.cuda.use_mem_pool(self._pool, device=index):
             if large:
                 torch.empty(large, dtype=torch.uint8, device=device)  # reserved, then free in the pool
@@ -136,9 +158,9 @@ class StateOffloader:
         """Copy the state to host memory and free its device storage; returns timings and sizes.
 
         `release` also returns the freed blocks to the CUDA driver (`torch.cuda.empty_cache`), so other
-        processes can use them; without it they stay reserved in the offloader's memory pool for the
-        next wake (other allocations of this process do not use that pool) and the sleep skips the
-        driver's frees.
+        processes can use them; without it they stay in this process's caching allocator, free for its
+        other work (with `pack=True`: in the offloader's pool, kept for the next wake, which other
+        allocations do not use) and the sleep skips the driver's frees.
         """
         if self.asleep:
             raise RuntimeError("sleep() while asleep: call wake() first")
@@ -173,6 +195,7 @@ class StateOffloader:
         copy_seconds = time.perf_counter() - copy_started
         released = time.perf_counter()
         if cuda and release:
+            self._pool = None  # its destructor frees the pool's segments (empty_cache skips live pools)
             torch.cuda.empty_cache()
         released = time.perf_counter() - released
         self.asleep = True
@@ -188,7 +211,7 @@ class StateOffloader:
         cuda = self.engine.device.type == "cuda"
         started = time.perf_counter()
         copy_started = time.perf_counter()
-        with self._packed() if cuda and self.pack else contextlib.nullcontext():
+        with self._packed() if cuda and self.pack and _packing_works() else contextlib.nullcontext():
             for slot in self._slots:  # allocating the next storage overlaps the copies already queued
                 slot.storage.resize_(slot.nbytes)
                 _bytes_of(slot.storage).copy_(
