@@ -143,8 +143,14 @@ def sleep_wake(rank: int, world_size: int, layout: str, every_phase: bool) -> di
     stack = Stack(rank, world_size, layout)
     offloader = StateOffloader(stack.engine)
     stack.run(PHASES)
+    # The tiny test model's storages are all below the real 1 MB threshold; split them at the median
+    # so both paths run: small ones as one staged block, the others one by one.
+    sizes = sorted(storage.nbytes() for storage in offloader._storages())
+    offloader.small_block = sizes[len(sizes) // 2]
     before = describe_state(stack.engine, offloader)
     info = offloader.sleep()
+    small, _ = offloader._small_block()
+    paths = (len(small), len(offloader._slots) - len(small))
     freed = all(t.untyped_storage().nbytes() == 0 for t in offloader.state_tensors())
     grads_dropped = all(p.grad is None for params in stack.engine.params.values() for p in params)
     offloader.wake()
@@ -159,7 +165,7 @@ def sleep_wake(rank: int, world_size: int, layout: str, every_phase: bool) -> di
 
     stack.run(PHASES, between=round_trip if every_phase else None)
     return {"mismatches": mismatches, "freed": freed, "grads_dropped": grads_dropped, "bytes": info["bytes"],
-            "final": stack.snapshot()}  # fmt: skip
+            "final": stack.snapshot(), "paths": paths}  # fmt: skip
 
 
 def plain_run(rank: int, world_size: int, layout: str, phases: int) -> dict:

@@ -74,6 +74,7 @@ class StateOffloader:
         # pack: wake allocates the storages in few device segments (see `_packed`). Off by default: its
         # release path (dropping the pool at sleep) is not yet measured on a GPU (docs/benchmarks.md).
         self.pack = pack
+        self.small_block = _SMALL_BLOCK  # storages up to this many bytes move as one block (`_small_block`)
         self.asleep = False
         self._buffer: torch.Tensor | None = None
         self._slots: list[_Slot] = []
@@ -148,6 +149,20 @@ class StateOffloader:
                 torch.empty(large, dtype=torch.uint8, device=device)  # reserved, then free in the pool
             yield
 
+    def _small_block(self) -> tuple[list[_Slot], int]:
+        """The slots of storages up to the small-block size (first in `_slots`) and the bytes they span.
+
+        Thousands of small tensors (LoRA factors and their AdamW state) cost a copy's latency each, not
+        bandwidth; they move as one block instead: gathered on the device into one staging buffer with
+        a multi-tensor copy, then one copy each way (scattered back the same way at wake). The staging
+        buffer is device memory for the duration of the copy (the small storages' total).
+        """
+        small = [slot for slot in self._slots if slot.nbytes <= self.small_block]
+        if not small:
+            return [], 0
+        last = small[-1]
+        return small, last.offset + last.nbytes
+
     @property
     def nbytes(self) -> int:
         return sum(slot.nbytes for slot in self._slots)
@@ -170,6 +185,8 @@ class StateOffloader:
         for role in engine.optimizers:
             engine.zero_grad(role)
         storages = self._storages()
+        # Small storages first, contiguous in the host buffer: they move as one block (see `_small_block`).
+        storages = sorted(storages, key=lambda st: st.nbytes() > self.small_block)
         slots, offset = [], 0
         for storage in storages:
             slots.append(_Slot(storage, offset, storage.nbytes()))
@@ -183,7 +200,17 @@ class StateOffloader:
         self._slots = slots
         prepared = time.perf_counter() - started
         copy_started = time.perf_counter()
-        for slot in slots:
+        small, small_bytes = self._small_block()
+        if small:
+            stage = torch.empty(small_bytes, dtype=torch.uint8, device=engine.device)
+            torch._foreach_copy_(
+                [stage[s.offset : s.offset + s.nbytes] for s in small], [_bytes_of(s.storage) for s in small]
+            )
+            self._buffer[:small_bytes].copy_(stage, non_blocking=cuda)
+            for slot in small:
+                slot.storage.resize_(0)
+            del stage  # freed in stream order, after the copy
+        for slot in slots[len(small) :]:
             self._buffer[slot.offset : slot.offset + slot.nbytes].copy_(
                 _bytes_of(slot.storage), non_blocking=cuda
             )
@@ -211,12 +238,24 @@ class StateOffloader:
         cuda = self.engine.device.type == "cuda"
         started = time.perf_counter()
         copy_started = time.perf_counter()
+        small, small_bytes = self._small_block()
+        stage = None
+        if small:  # outside the pool: the reserved segment is sized for the large storages alone
+            stage = torch.empty(small_bytes, dtype=torch.uint8, device=self.engine.device)
+            stage.copy_(self._buffer[:small_bytes], non_blocking=cuda)
         with self._packed() if cuda and self.pack and _packing_works() else contextlib.nullcontext():
-            for slot in self._slots:  # allocating the next storage overlaps the copies already queued
+            for slot in self._slots[len(small) :]:  # allocating the next storage overlaps queued copies
                 slot.storage.resize_(slot.nbytes)
                 _bytes_of(slot.storage).copy_(
                     self._buffer[slot.offset : slot.offset + slot.nbytes], non_blocking=cuda
                 )
+            for slot in small:
+                slot.storage.resize_(slot.nbytes)
+        if small:
+            torch._foreach_copy_(
+                [_bytes_of(s.storage) for s in small], [stage[s.offset : s.offset + s.nbytes] for s in small]
+            )
+            del stage
         if cuda:
             torch.cuda.synchronize(self.engine.device)
         self.asleep = False
