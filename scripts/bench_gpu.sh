@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The GPU benchmarks of docs/benchmarks.md in one place (one NVIDIA GPU, no ray).
+#   bash scripts/bench_gpu.sh offload OUTDIR   # sleep/wake: both layouts, packing off and on (~4 min on an H200)
+#   bash scripts/bench_gpu.sh phases OUTDIR    # DMD2 phases, compiled, kept gathered (~6 min on an H200)
+# Each run writes its JSON (and the profile) into OUTDIR; the tables print to stdout.
+set -euo pipefail
+what="${1:?usage: bench_gpu.sh offload|phases OUTDIR}"
+out="${2:?usage: bench_gpu.sh offload|phases OUTDIR}"
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+py="${PYTHON:-python3}"
+mkdir -p "$out"
+case "$what" in
+  offload)
+    off="$py $here/bench_offload.py --device cuda --hidden 1536 --repeats 5"
+    $off --layers 6 --json "$out/offload_independent.json"
+    $off --layers 6 --pack --json "$out/offload_independent_packed.json"
+    $off --layout shared_base_adapters --layers 24 --json "$out/offload_shared_lora.json"
+    $off --layout shared_base_adapters --layers 24 --pack --json "$out/offload_shared_lora_packed.json"
+    ;;
+  phases)
+    ph="$py $here/bench_phases.py --repeats 2 --compile --keep-gathered"
+    $ph --layouts shared_base_adapters --batch 8 --profile "$out" --json "$out/phases_shared_batch8.json"
+    $ph --layouts shared_base_adapters --batch 16 --json "$out/phases_shared_batch16.json"
+    $ph --layouts independent_full --batch 8 --json "$out/phases_independent_full_batch8.json"
+    ;;
+  *)
+    echo "bench_gpu.sh: unknown benchmark '$what' (offload or phases)" >&2
+    exit 2
+    ;;
+esac
