@@ -169,6 +169,19 @@ def test_role_switches_inside_a_phase_regather_nothing(results):
         assert value["reference_reshards"] > value["reshards"], (case, value)
 
 
+def test_frozen_weights_stored_in_compute_dtype_change_no_number(results):
+    """With bfloat16 compute the frozen weights are stored in bfloat16 (half the bytes) and the
+    trainable ones in float32; three phases of training and every role's forward are bit for bit
+    those of frozen weights stored in float32 (FSDP2 rounds them to bfloat16 at each gather)."""
+    got = scenario(results, "frozen_in_compute_dtype")
+    for layout in ("shared_base_adapters", "independent"):
+        value = got[layout]
+        assert value["dtypes"] == {"frozen": ["torch.bfloat16"], "trainable": ["torch.float32"]}, layout
+        assert value["reference_dtypes"]["frozen"] == ["torch.float32"], layout
+        assert value["bytes_ratio"] == 0.5, layout
+        assert value["equal"], layout
+
+
 def test_trap_ema_swap_reshards_first(results):
     """Guard: reshard before swapping EMA shards in (independent, full weights). Without it the
     root unit's gathered student weights leak into the EMA forward."""

@@ -356,6 +356,48 @@ def switch_keeps_gathered(rank, world):
     return out
 
 
+def frozen_in_compute_dtype(rank, world):
+    """bfloat16 compute: frozen weights stored in bfloat16 train and predict exactly as stored in float32."""
+    out = {}
+    for layout in (SHARED, "independent"):
+
+        def run(store_low: bool, layout=layout):
+            overrides = {"model.param_dtype": "bfloat16", "model.reduce_dtype": "float32"}
+            with patched(RoleEngine, "STORE_FROZEN_IN_COMPUTE_DTYPE", store_low):
+                _, adapter, engine, runtime = _setup(layout, **overrides)
+            dtypes = {
+                "frozen": sorted({str(local_part_of(p).dtype) for p in engine.frozen_params}),
+                "trainable": sorted(
+                    {str(local_part_of(p).dtype) for ps in engine.params.values() for p in ps}
+                ),
+            }
+            for step, role in enumerate((Role.FAKE_SCORE, Role.STUDENT, Role.FAKE_SCORE)):
+                runtime.run_phase(_request(role, step), _batch(adapter, engine, rank, world, seed=step))
+            state = [*_weights(engine, Role.STUDENT), *_weights(engine, Role.FAKE_SCORE)]
+            state += [full(t).detach().clone() for t in engine.independent_ema]
+            probe = _batch(adapter, engine, rank, world, seed=9)
+            cond = {k[5:]: v for k, v in probe.items() if k.startswith("cond.")}
+            with torch.no_grad():
+                for role in (Role.TEACHER, Role.STUDENT, Role.FAKE_SCORE):
+                    with engine.use_role(role) as model:
+                        state.append(adapter.predict(model, probe["x_t"], probe["sigma"], cond).detach())
+            return state, dtypes, engine.parameter_bytes()["frozen"]
+
+        low, low_dtypes, low_bytes = run(True)
+        high, high_dtypes, high_bytes = run(False)
+        out[layout] = {
+            "equal": all(torch.equal(a, b) for a, b in zip(low, high, strict=True)),
+            "dtypes": low_dtypes,
+            "reference_dtypes": high_dtypes,
+            "bytes_ratio": low_bytes / high_bytes,
+        }
+    return out
+
+
+def local_part_of(param) -> torch.Tensor:
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
 def _plan_overrides(plan) -> dict:
     """The algorithm/batch/optim/data settings of a DMD2 test plan as make_plan overrides."""
     return {
@@ -619,6 +661,7 @@ SCENARIOS = {
     "trap_flags_after_disable": trap_flags_after_disable,
     "trap_switch_flips_no_flags": trap_switch_flips_no_flags,
     "switch_keeps_gathered": switch_keeps_gathered,
+    "frozen_in_compute_dtype": frozen_in_compute_dtype,
     "trap_ema_swap_needs_reshard": trap_ema_swap_needs_reshard,
     "trap_adapter_after_shard": trap_adapter_after_shard,
     "trap_cpu_offload_pin_memory": trap_cpu_offload_pin_memory,

@@ -184,7 +184,8 @@ class ModelSpec:
     storage: Literal["shared_base_adapters", "independent"] = "shared_base_adapters"
     """shared_base_adapters: LoRA roles on one frozen base (teacher = adapters off); independent: own copies."""
     param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """FSDP2 compute dtype of parameters; bfloat16 on GPUs, float32 for exact CPU tests."""
+    """FSDP2 compute dtype of parameters; bfloat16 on GPUs, float32 for exact CPU tests. Frozen weights are
+    stored in it (they enter compute rounded to it anyway); trainable ones keep float32 masters."""
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     """Gradient reduction dtype; float32 keeps small LoRA gradients from rounding away."""
     activation_checkpointing: bool = False

@@ -180,6 +180,7 @@ class RoleEngine:
             holder = self.module_for(Role.FAKE_SCORE)
             self.gan_head = GanHead(self.adapter.gan_feature_dim(holder))
             holder.add_module(GAN_HEAD, self.gan_head)
+        self._store_frozen_in_compute_dtype()
         for model in self.models.values():
             model.to(self.device)
             self._shard(
@@ -252,6 +253,26 @@ class RoleEngine:
             for name, param in params.items():
                 if _adapter_of(name) == source:
                     params[name.replace(f".{source}.", f".{target}.")].copy_(param)
+
+    STORE_FROZEN_IN_COMPUTE_DTYPE = True
+
+    def _store_frozen_in_compute_dtype(self) -> None:
+        """With low-precision compute (model.param_dtype), keep frozen weights in that dtype.
+
+        FSDP2 casts every parameter to param_dtype at each all-gather, so a frozen weight stored in
+        float32 only ever enters compute as its bfloat16 rounding: storing that rounding once gives
+        the same forwards bit for bit, with half the memory, half the sleep/wake bytes, and no cast
+        kernels per parameter at each gather (thousands per DMD2 cycle for SD3). Trainable weights
+        (every role's parameters, the GAN head) keep their float32 master copies.
+        """
+        dtype = _DTYPES[self.plan.model.param_dtype]
+        if dtype is torch.float32 or not self.STORE_FROZEN_IN_COMPUTE_DTYPE:
+            return
+        with torch.no_grad():
+            for model_name, model in self.models.items():
+                for name, param in model.named_parameters():
+                    if self._role_of(model_name, name) is None and param.is_floating_point():
+                        param.data = param.data.to(dtype)
 
     def _shard(self, model: nn.Module, *, offload: bool) -> None:
         param_dtype = _DTYPES[self.plan.model.param_dtype]
