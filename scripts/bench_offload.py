@@ -107,8 +107,15 @@ def main(argv=None) -> int:
         return torch.cuda.memory_stats(device).get("segment.all.current", 0) if cuda else 0
 
     cuda = device.type == "cuda"
-    probe = [t for t in offloader.state_tensors() if t.device.type == device.type][:8]
-    checksum = [float(t.double().sum()) for t in probe]
+    probe = [t for t in offloader.state_tensors() if t.device.type == device.type]
+
+    def checksums() -> list[int]:
+        """An exact checksum of every byte of every state tensor (after the timed rounds, untimed)."""
+        return torch.stack(
+            [t.detach().reshape(-1).contiguous().view(torch.uint8).sum(dtype=torch.int64) for t in probe]
+        ).tolist()
+
+    checksum = checksums()
     allocated = torch.cuda.memory_allocated(device) if cuda else 0
     reserved = torch.cuda.memory_reserved(device) if cuda else 0
     segments_before = segments()
@@ -140,7 +147,7 @@ def main(argv=None) -> int:
     # After the steady rounds, not only after the first sleep: a pool that keeps its segments shows here.
     reserved_asleep_steady = torch.cuda.memory_reserved(device) if cuda else 0
     offloader.wake()
-    assert [float(t.double().sum()) for t in probe] == checksum, "state changed across sleep/wake"
+    assert checksums() == checksum, "state changed across sleep/wake"
 
     d2h, h2d = raw_copies(nbytes, device, args.repeats)
 
