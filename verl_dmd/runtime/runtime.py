@@ -102,9 +102,10 @@ class DistillationRoleRuntime:
         micro_batches = split_batch(batch, batch_spec.accumulation_steps)
         tracker = LossNormalizerTracker(len(micro_batches))
         optim_spec = getattr(self.plan.optim, role.value)
-        metric_sums: dict[str, float] = {}
-        loss_sum = 0.0
-        local_nonfinite = False
+        # Sums stay on the device: reading a value back (.item()) waits for the GPU, and each wait
+        # leaves it idle until the host queues the next kernels. A phase reads back three times.
+        metric_sums: dict[str, Any] = {}
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
 
         engine.verify_layout()
         engine.zero_grad(role)
@@ -124,9 +125,8 @@ class DistillationRoleRuntime:
                         f"compute_phase returned {type(output).__name__}: must return a PhaseOutput"
                     )
                 weight = tracker.loss_weight(output.loss_normalizer)
-                loss_value = output.loss.detach().float().item()
-                local_nonfinite |= not math.isfinite(loss_value)
-                loss_sum += loss_value
+                # float32, then float64, summed in float64: what float(loss) summed in Python gives.
+                loss_sum = loss_sum + output.loss.detach().float().to(device, torch.float64)
                 for key, value in output.metrics.items():
                     metric_sums[key] = metric_sums.get(key, 0.0) + value
                 if output.loss.requires_grad:
@@ -146,11 +146,13 @@ class DistillationRoleRuntime:
                         if p.grad is not None:
                             p.grad.div_(divisor)
 
-            grad_norm = _total_grad_norm(params, device, self.group).item()
-            # One collective tells every rank which ranks saw a non-finite loss; the norm is global already.
+            norm = _total_grad_norm(params, device, self.group)
+            # One collective tells every rank which ranks saw a non-finite loss (a non-finite term makes
+            # the sum non-finite); the norm is global already. Both are read back in one wait.
             flags = torch.zeros(self.world_size, dtype=torch.float64, device=device)
-            flags[self.rank] = float(local_nonfinite)
-            bad_ranks = [r for r, flag in enumerate(self._all_reduce(flags).tolist()) if flag > 0]
+            flags[self.rank] = (~torch.isfinite(loss_sum)).to(torch.float64)
+            *flag_values, grad_norm = torch.cat([self._all_reduce(flags), norm.reshape(1)]).tolist()
+            bad_ranks = [r for r, flag in enumerate(flag_values) if flag > 0]
             skipped_reason = None
             if bad_ranks:
                 skipped_reason = f"non-finite loss on rank(s) {bad_ranks}"
@@ -184,14 +186,18 @@ class DistillationRoleRuntime:
                 f"{sorted(metric_sums)}); a phase computer must return the same metrics on every rank"
             )
         values = [loss_sum / len(micro_batches), *metric_sums.values()]
-        mean = self._all_reduce(torch.tensor(values, dtype=torch.float64, device=device)) / self.world_size
+        stacked = torch.stack([
+            v.to(device, torch.float64).reshape(()) if isinstance(v, torch.Tensor)
+            else torch.tensor(float(v), dtype=torch.float64, device=device)
+            for v in values
+        ])  # fmt: skip
+        mean = (self._all_reduce(stacked) / self.world_size).tolist()
         metrics = {
-            f"{role.value}/{k}": v / len(micro_batches)
-            for k, v in zip(metric_sums, mean[1:].cpu().tolist(), strict=True)
+            f"{role.value}/{k}": v / len(micro_batches) for k, v in zip(metric_sums, mean[1:], strict=True)
         }
         metrics.update(
             {
-                f"{role.value}/loss": mean[0].item(),
+                f"{role.value}/loss": mean[0],
                 f"{role.value}/grad_norm": grad_norm,
                 f"{role.value}/lr": engine.optimizers[role].param_groups[0]["lr"],
                 "stepped": skipped_reason is None,
