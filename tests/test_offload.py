@@ -25,3 +25,27 @@ def test_sleep_wake_preserves_everything_and_training_continues_bitwise(tmp_path
         assert got["freed"] and got["grads_dropped"] and got["bytes"] > 0
         assert min(got["paths"]) > 0, got["paths"]  # storages moved both as the staged block and one by one
         assert_equal_state(got["final"], without[rank], f"rank {rank}")
+
+
+@pytest.mark.parametrize(
+    ("conf", "works"),
+    [
+        ("", True),
+        ("garbage_collection_threshold:0.6", True),
+        ("max_split_size_mb:512", False),
+        ("expandable_segments:True", False),
+        ("backend:cudaMallocAsync", False),
+        ("roundup_power2_divisions:4", False),
+    ],
+)
+def test_packing_is_skipped_under_allocator_settings_that_stop_it(monkeypatch, conf, works):
+    """Packing needs the default allocator to split one reserved block; these settings prevent it
+    (oversize blocks never split, other rounding, another allocator), so wake allocates as usual."""
+    from verl_dmd.runtime.offload import _packing_works
+
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", conf)
+    assert _packing_works() is works
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", conf)
+    assert _packing_works() is works
