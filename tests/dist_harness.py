@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,9 @@ def _entry(rank: int, fn, world_size: int, workdir: str, args: tuple) -> None:
         result = fn(rank, world_size, *args)
         torch.save(result, os.path.join(workdir, f"result_{rank}.pt"))
     finally:
+        # Objects of the scenario (sharded models) hold the group through their device mesh; freed only
+        # at interpreter exit, after destroy_process_group, they aborted ranks now and then.
+        gc.collect()
         dist.destroy_process_group()
 
 

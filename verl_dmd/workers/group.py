@@ -265,8 +265,12 @@ class LocalWorkerGroup(_SamplingMixin):
         self.close()
 
     def close(self) -> None:
+        import gc
+
         import torch.distributed as dist
 
+        self.session = None  # the models hold the group (see DiffusionDistillationWorker.shutdown)
+        gc.collect()
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
             self._owns_group = False

@@ -135,7 +135,14 @@ class DiffusionDistillationWorker(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
     def shutdown(self) -> None:
+        import gc
+
         import torch.distributed as dist
 
+        # Free the models first: their DTensors hold the process group through the device mesh, and
+        # a group that outlives destroy_process_group until interpreter exit can abort the process
+        # ("terminate called without an active exception", seen in 2-rank gloo tests).
+        self.session = None
+        gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()
