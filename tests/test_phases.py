@@ -62,11 +62,26 @@ def test_phase_output_metrics_are_detached_floats():
         {"v": torch.ones(3)},
         {"s": "fast"},
         {"b": True},
+        {"t": torch.tensor(True)},
+        {"z": torch.tensor(1 + 2j)},
         {1: 1.0},
     ]
     for metrics in bad_metrics:
         with pytest.raises(PhaseContractError, match="metrics"):
             PhaseOutput(loss=torch.tensor(0.0), metrics=metrics)
+
+
+def test_device_metrics_are_kept_without_reading_back():
+    """A metric on a device stays there (reading it back would make the host wait for the device); the
+    meta device has no values, so any read-back (.item()) would raise here."""
+    value = torch.empty((1,), device="meta")
+    out = PhaseOutput(loss=torch.tensor(0.5), metrics={"m": value, "f": 2})
+    kept = out.metrics["m"]
+    assert isinstance(kept, torch.Tensor) and kept.device.type == "meta" and kept.shape == ()
+    assert out.metrics["f"] == 2.0
+    for bad in (torch.empty((2,), device="meta"), torch.empty((), device="meta", requires_grad=True)):
+        with pytest.raises(PhaseContractError, match="metrics"):
+            PhaseOutput(loss=torch.tensor(0.0), metrics={"m": bad})
 
 
 @pytest.mark.parametrize("value", [1, 2.5, 1e9, torch.tensor(7.0), torch.tensor([3])])

@@ -291,8 +291,14 @@ class DMDGradient:
     normalizer: torch.Tensor
     """Shape (batch,): the denominator each sample was divided by, after the eps floor
     (for ``batch_global`` one value repeated)."""
-    nonfinite_count: int
-    """Number of NaN/inf entries in `grad`; they are kept, not zeroed, so the phase can be skipped."""
+    nonfinite: torch.Tensor
+    """0-dim int64 on grad's device: the number of NaN/inf entries in `grad`; they are kept, not zeroed,
+    so the phase can be skipped. A tensor, so that building the gradient never waits for the device."""
+
+    @property
+    def nonfinite_count(self) -> int:
+        """`nonfinite` as a python int (reads it back from the device)."""
+        return int(self.nonfinite.item())
 
     @property
     def is_finite(self) -> bool:
@@ -343,8 +349,8 @@ def dmd_gradient(
         per_sample = denominator.reshape((batch,) + (1,) * (x.ndim - 1))
         grad = (fake_w - real_w) / per_sample
         grad = torch.where(torch.isfinite(per_sample), grad, torch.nan)
-        nonfinite_count = int((~torch.isfinite(grad)).sum().item())
-    return DMDGradient(grad=grad, normalizer=denominator, nonfinite_count=nonfinite_count)
+        nonfinite = (~torch.isfinite(grad)).sum()
+    return DMDGradient(grad=grad, normalizer=denominator, nonfinite=nonfinite)
 
 
 # ----------------------------------------------------------------------------- losses

@@ -82,7 +82,8 @@ class PhaseOutput:
     """What a phase computer returns for one micro-batch.
 
     `loss` is one graph-bearing scalar for the request's role. `metrics` are
-    detached python floats. `loss_normalizer` selects the accumulation mode:
+    python floats or detached 1-element real tensors (kept on their device; the
+    runtime reads them back once per phase). `loss_normalizer` selects the accumulation mode:
     ``None`` means `loss` is already a mean over the micro-batch's samples (the
     runtime averages micro-batches); a positive finite number means `loss` is a
     mean over that many counted units (e.g. tokens, pixels, valid samples) and the
@@ -90,7 +91,7 @@ class PhaseOutput:
     """
 
     loss: torch.Tensor
-    metrics: Mapping[str, float] = field(default_factory=dict)
+    metrics: Mapping[str, float | torch.Tensor] = field(default_factory=dict)
     loss_normalizer: float | None = None
 
     def __post_init__(self) -> None:
@@ -107,12 +108,18 @@ class PhaseOutput:
         object.__setattr__(self, "loss_normalizer", validate_loss_normalizer(self.loss_normalizer))
 
 
-def _detached_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
+def _detached_metrics(metrics: Mapping[str, Any]) -> dict[str, float | torch.Tensor]:
+    """Python numbers and host tensors become floats; 1-element device tensors stay where they are, as
+    0-dim detached tensors.
+
+    Reading a device tensor back (`.item()`) makes the host wait for the device and drains its queue, so
+    tensors are kept as they are and the runtime reads every metric back once, at the end of the phase.
+    """
     if not isinstance(metrics, Mapping):
         raise PhaseContractError(
             f"PhaseOutput.metrics is a {type(metrics).__name__}: must be a mapping str -> float"
         )
-    out: dict[str, float] = {}
+    out: dict[str, float | torch.Tensor] = {}
     for key, value in metrics.items():
         if not isinstance(key, str):
             raise PhaseContractError(f"PhaseOutput.metrics key {key!r}: must be a string")
@@ -125,7 +132,15 @@ def _detached_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
                 raise PhaseContractError(
                     f"PhaseOutput.metrics[{key!r}] has shape {tuple(value.shape)}: must be a scalar"
                 )
-            value = value.item()
+            if value.dtype == torch.bool or value.is_complex():
+                raise PhaseContractError(
+                    f"PhaseOutput.metrics[{key!r}] has dtype {value.dtype}: must be a real number "
+                    "(float, int or 1-element real tensor)"
+                )
+            if value.device.type != "cpu":
+                out[key] = value.detach().reshape(())
+                continue
+            value = value.item()  # a host tensor: nothing to wait for
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise PhaseContractError(
                 f"PhaseOutput.metrics[{key!r}] = {value!r}: must be a real number (float, int or 1-element tensor)"

@@ -128,6 +128,8 @@ class DistillationRoleRuntime:
                 # float32, then float64, summed in float64: what float(loss) summed in Python gives.
                 loss_sum = loss_sum + output.loss.detach().float().to(device, torch.float64)
                 for key, value in output.metrics.items():
+                    if isinstance(value, torch.Tensor):  # summed in float64 like the python floats
+                        value = value.to(device, torch.float64)
                     metric_sums[key] = metric_sums.get(key, 0.0) + value
                 if output.loss.requires_grad:
                     (output.loss * weight).backward()
