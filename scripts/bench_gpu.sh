@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU benchmarks of docs/benchmarks.md in one place (one NVIDIA GPU, no ray).
-#   bash scripts/bench_gpu.sh offload OUTDIR   # sleep/wake: both layouts, packing off and on (~4 min on an H200)
+#   bash scripts/bench_gpu.sh offload OUTDIR   # sleep/wake: both layouts, packing on (default) and off (~5 min on an H200)
 #   bash scripts/bench_gpu.sh phases OUTDIR    # DMD2 phases, compiled, kept gathered (~6 min on an H200)
 # Each run writes its JSON (and the profile) into OUTDIR; the tables print to stdout.
 set -euo pipefail
@@ -13,10 +13,12 @@ case "$what" in
   offload)
     off="$py $here/bench_offload.py --device cuda --hidden 1536 --repeats 5"
     $off --layers 6 --json "$out/offload_independent.json"
-    $off --layers 6 --pack --json "$out/offload_independent_packed.json"
+    $off --layers 6 --no-pack --json "$out/offload_independent_unpacked.json"
+    # The pool kept between rounds (sleep(release=False)): wakes must reuse its segments, not add more.
+    $off --layers 6 --keep-reserved --repeats 3 --json "$out/offload_independent_kept.json"
     # 48 layers: with the frozen base stored in bfloat16 the 24-layer state is under 8 GiB.
     $off --layout shared_base_adapters --layers 48 --json "$out/offload_shared_lora.json"
-    $off --layout shared_base_adapters --layers 48 --pack --json "$out/offload_shared_lora_packed.json"
+    $off --layout shared_base_adapters --layers 48 --no-pack --json "$out/offload_shared_lora_unpacked.json"
     ;;
   phases)
     ph="$py $here/bench_phases.py --repeats 2 --compile --keep-gathered"

@@ -91,8 +91,10 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--keep-reserved", action="store_true",
                         help="sleep(release=False): freed blocks stay in this process's caching allocator")  # fmt: skip
-    parser.add_argument("--pack", action="store_true",
-                        help="StateOffloader(pack=True): wake cuts the storages from one reserved segment")  # fmt: skip
+    parser.add_argument("--no-pack", action="store_true",
+                        help="StateOffloader(pack=False): wake allocates through the caching allocator as usual")  # fmt: skip
+    parser.add_argument("--chunk-mb", type=int, default=None,
+                        help="packed wake: device memory reserved at a time (default: the offloader's, 64)")  # fmt: skip
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -101,7 +103,9 @@ def main(argv=None) -> int:
     from verl_dmd.runtime.offload import StateOffloader
 
     engine = build_engine(args)
-    offloader = StateOffloader(engine, pack=args.pack)
+    offloader = StateOffloader(engine, pack=not args.no_pack)
+    if args.chunk_mb is not None:
+        offloader.chunk_bytes = args.chunk_mb << 20
 
     def segments() -> int:
         return torch.cuda.memory_stats(device).get("segment.all.current", 0) if cuda else 0
@@ -142,6 +146,7 @@ def main(argv=None) -> int:
         wakes.append(timed(offloader.wake, device))
         wake_copies.append(offloader.last["wake_copy_s"])
     segments_awake = segments()
+    reserved_awake_steady = torch.cuda.memory_reserved(device) if cuda else 0
     offloader.sleep(release=release)
     segments_asleep = segments()
     # After the steady rounds, not only after the first sleep: a pool that keeps its segments shows here.
@@ -175,9 +180,11 @@ def main(argv=None) -> int:
         "reserved_before": reserved,
         "allocated_asleep": allocated_asleep,
         "reserved_asleep": reserved_asleep,
-        "pack": args.pack,
+        "pack": offloader.pack,
+        "chunk_bytes": offloader.chunk_bytes,
         "segments_before": segments_before,
         "segments_awake_steady": segments_awake,
+        "reserved_awake_steady": reserved_awake_steady,
         "segments_asleep_steady": segments_asleep,
         "reserved_asleep_steady": reserved_asleep_steady,
     }
@@ -213,9 +220,11 @@ def main(argv=None) -> int:
               f"{reserved_asleep / 2**30:.3f} GiB")  # fmt: skip
         print(f"allocator segments: {segments_before} at the start, {segments_awake} awake after the steady "
               f"rounds, {segments_asleep} asleep; reserved asleep after the steady rounds "
-              f"{reserved_asleep_steady / 2**30:.3f} GiB")  # fmt: skip
+              f"{reserved_asleep_steady / 2**30:.3f} GiB, awake {reserved_awake_steady / 2**30:.2f} GiB")  # fmt: skip
         if release and reserved_asleep_steady > 0.05 * reserved:
             print("WARNING: sleep(release=True) did not return the memory in the steady rounds")
+        if reserved_awake_steady > 1.02 * reserved:
+            print("WARNING: the steady rounds reserve more device memory than before the first sleep")
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
     dist.destroy_process_group()

@@ -149,8 +149,7 @@ def sleep_wake(rank: int, world_size: int, layout: str, every_phase: bool) -> di
     offloader.small_block = sizes[len(sizes) // 2]
     before = describe_state(stack.engine, offloader)
     info = offloader.sleep()
-    small, _ = offloader._small_block()
-    paths = (len(small), len(offloader._slots) - len(small))
+    paths = (offloader._small_count, len(offloader._slots) - offloader._small_count)
     freed = all(t.untyped_storage().nbytes() == 0 for t in offloader.state_tensors())
     grads_dropped = all(p.grad is None for params in stack.engine.params.values() for p in params)
     offloader.wake()

@@ -49,3 +49,20 @@ def test_packing_is_skipped_under_allocator_settings_that_stop_it(monkeypatch, c
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
     monkeypatch.setenv("PYTORCH_ALLOC_CONF", conf)
     assert _packing_works() is works
+
+
+@pytest.mark.parametrize(
+    ("sizes", "target"),
+    [([], 10), ([3], 10), ([4, 4, 4, 4, 4], 10), ([10, 10, 1], 10), ([25, 1, 1, 30, 2], 10), ([1] * 7, 3)],
+)
+def test_packed_runs_cover_every_storage_once_in_order(sizes, target):
+    """A packed wake reserves one segment per run: runs are consecutive, cover every storage once, sum
+    their sizes, and every run but the last holds at least the target and less than target + its last."""
+    from verl_dmd.runtime.offload import plan_chunks
+
+    chunks = plan_chunks(sizes, target)
+    assert [i for _, start, end in chunks for i in range(start, end)] == list(range(len(sizes)))
+    for number, (total, start, end) in enumerate(chunks):
+        assert end > start and total == sum(sizes[start:end])
+        if number < len(chunks) - 1:
+            assert target <= total < target + sizes[end - 1]

@@ -15,11 +15,12 @@ parameter objects, optimizer bindings, DTensor specs, padding, strides, dtypes,
   allocation runs at about 2 GB/s, far slower than the copies) and reused; the
   copies are non-blocking on one stream and synchronised once. After sleep the
   caching allocator's free blocks are released (`torch.cuda.empty_cache`), so the
-  memory is available to other processes. With `pack=True` (off by default until
-  its release path is measured on a GPU) wake allocates the storages inside a
-  private memory pool, cut from one reserved segment: the driver then frees one
-  segment at the next sleep instead of hundreds (each free costs ~40 us and waits
-  for the device; see `StateOffloader._packed`).
+  memory is available to other processes. With `pack=True` (the default) wake
+  allocates the storages inside a private memory pool, cut from segments of
+  64 MB reserved run by run: the driver then frees a few hundred large segments
+  at the next sleep instead of the allocator's many (each free costs ~40 us and
+  waits for the device; see `StateOffloader._packed_wake`). Small storages move
+  as one staged block (see `StateOffloader._copy_small`).
 - On CPU the same steps run with an ordinary host buffer: memory is released and
   restored the same way (the identity tests run this path); it saves nothing but
   keeps one code path.
@@ -40,6 +41,26 @@ from verl_dmd.runtime.engine import local_tensor
 
 _SMALL_BLOCK = 1 << 20
 """Bytes up to which torch's CUDA caching allocator serves a request from its 2 MB small-block segments."""
+
+_CHUNK = 64 << 20
+"""Bytes of device memory a packed wake reserves at a time (see `StateOffloader._packed_wake`)."""
+
+
+def plan_chunks(sizes: list[int], target: int) -> list[tuple[int, int, int]]:
+    """Consecutive runs of `sizes` of about `target` bytes each: (bytes, start, end) per run.
+
+    A run closes once it holds at least `target` bytes, so every run but the last is at least
+    `target`, and a run exceeds it by less than its last item.
+    """
+    chunks, start, total = [], 0, 0
+    for index, size in enumerate(sizes):
+        total += size
+        if total >= target:
+            chunks.append((total, start, index + 1))
+            start, total = index + 1, 0
+    if start < len(sizes):
+        chunks.append((total, start, len(sizes)))
+    return chunks
 
 
 def _packing_works() -> bool:
@@ -69,18 +90,24 @@ class StateOffloader:
 
     ALIGN = 512  # bytes: keeps every slot of the host buffer aligned for fast copies
 
-    def __init__(self, engine, *, pack: bool = False) -> None:
+    def __init__(self, engine, *, pack: bool = True) -> None:
         self.engine = engine
-        # pack: wake allocates the storages in few device segments (see `_packed`). Off by default: its
-        # release path (dropping the pool at sleep) is not yet measured on a GPU (docs/benchmarks.md).
+        # pack: wake allocates the storages in few device segments (see `_packed_wake`); measured on an
+        # H200 in docs/benchmarks.md (sleep 92%, wake 94% of the raw pinned copy, vs 86-89% / 96-99% unpacked).
         self.pack = pack
         self.small_block = _SMALL_BLOCK  # storages up to this many bytes move as one block (`_small_block`)
         self.asleep = False
         self._buffer: torch.Tensor | None = None
         self._slots: list[_Slot] = []
+        self.chunk_bytes = _CHUNK  # a packed wake reserves device memory in runs of about this size
         self._pool = None  # torch.cuda.MemPool for the state's storages (pack=True), made at a wake
-        self._pool_bytes = 0
+        self._pool_chunks: tuple[int, ...] = ()
         self._cache: tuple[tuple[int, ...], list[torch.UntypedStorage], list[torch.Tensor]] | None = None
+        self._plan: tuple[list[torch.UntypedStorage], int, int] | None = None  # what the layout below is for
+        self._views: list[torch.Tensor] = []  # a uint8 view over each slot's storage (follows its resizes)
+        self._small_count = 0
+        self._small_bytes = 0
+        self._small_split: list[int] = []  # sizes that split the staging buffer into slots and gaps
         self.last: dict[str, float] = {}
 
     # ------------------------------------------------------------------ what moves
@@ -117,51 +144,53 @@ class StateOffloader:
         self._cache = (key, storages, objects)  # the objects stay referenced, so their ids cannot be reused
         return storages
 
-    @contextlib.contextmanager
-    def _packed(self):
-        """Allocate the storages of a wake in as few device segments as possible (`pack=True`).
+    # ------------------------------------------------------------------ layout in the host buffer
 
-        Returning memory to the driver costs one `cudaFree` per segment of the caching allocator
-        (about 40 us each on an H200, and each one waits for the device), not per byte: 15 GB in one
-        segment frees in 5-9 ms, in 1,280 segments of 12 MB in 53-61 ms (scripts/bench_release.py).
-        The storages of a sharded model are thousands of separate allocations, so left alone they
-        occupy hundreds of segments. Here every storage above the small-block size is cut from one
-        segment reserved first (the allocator splits a free block to serve a smaller request),
-        inside a private memory pool so that no other tensor lands in that segment and keeps it
-        from being freed. The pool holds its segments until it is destroyed (`torch.cuda.empty_cache`
-        skips a pool that is still referenced), so a releasing sleep drops it, and a wake makes a new
-        one when the state's size changed (AdamW creates its state at the first step).
+    def _layout(self, storages: list[torch.UntypedStorage]) -> None:
+        """Slots in the host buffer, views and the staging split; remade only when the storages change.
+
+        Small storages come first, contiguous: they move as one block (see `_copy_small`).
         """
-        device = self.engine.device
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        large = sum(-(-s.nbytes // self.ALIGN) * self.ALIGN for s in self._slots if s.nbytes > _SMALL_BLOCK)
-        if self._pool is not None and self._pool_bytes != large:
-            self._pool = None  # asleep, so every block in it is free: its destructor frees the segments
-        if self._pool is None:
-            # Blocks of the state sitting free in the default pool (a first sleep with release=False)
-            # go back to the driver before the pool takes the same amount again.
-            torch.cuda.empty_cache()
-            with torch.cuda.device(index):
-                self._pool = torch.cuda.MemPool()
-            self._pool_bytes = large
-        with torch.cuda.use_mem_pool(self._pool, device=index):
-            if large:
-                torch.empty(large, dtype=torch.uint8, device=device)  # reserved, then free in the pool
-            yield
+        key = (storages, self.small_block, self.ALIGN)
+        if self._plan is not None and self._plan[0] is storages and self._plan[1:] == key[1:]:
+            return
+        ordered = sorted(storages, key=lambda st: st.nbytes() > self.small_block)
+        slots, offset = [], 0
+        for storage in ordered:
+            slots.append(_Slot(storage, offset, storage.nbytes()))
+            offset += -(-storage.nbytes() // self.ALIGN) * self.ALIGN
+        self._slots = slots
+        self._views = [_bytes_of(slot.storage) for slot in slots]
+        small = [slot for slot in slots if slot.nbytes <= self.small_block]
+        self._small_count = len(small)
+        self._small_bytes = small[-1].offset + small[-1].nbytes if small else 0
+        split = []
+        for slot, following in zip(small, [*small[1:], None], strict=True):
+            split += [
+                slot.nbytes,
+                (following.offset if following else self._small_bytes) - slot.offset - slot.nbytes,
+            ]
+        self._small_split = split
+        self._plan = key
 
-    def _small_block(self) -> tuple[list[_Slot], int]:
-        """The slots of storages up to the small-block size (first in `_slots`) and the bytes they span.
-
-        Thousands of small tensors (LoRA factors and their AdamW state) cost a copy's latency each, not
-        bandwidth; they move as one block instead: gathered on the device into one staging buffer with
-        a multi-tensor copy, then one copy each way (scattered back the same way at wake). The staging
-        buffer is device memory for the duration of the copy (the small storages' total).
-        """
-        small = [slot for slot in self._slots if slot.nbytes <= self.small_block]
-        if not small:
-            return [], 0
-        last = small[-1]
-        return small, last.offset + last.nbytes
+    def _copy_small(self, *, to_host: bool, cuda: bool) -> None:
+        """Thousands of small tensors (LoRA factors and their AdamW state) cost a copy's latency each, not
+        bandwidth; they move as one block instead: gathered on the device into one staging buffer with a
+        multi-tensor copy, then one copy each way (scattered back the same way at wake). The staging
+        buffer is device memory for the duration of the copy (the small storages' total)."""
+        count = self._small_count
+        if not count:
+            return
+        stage = torch.empty(self._small_bytes, dtype=torch.uint8, device=self.engine.device)
+        parts = torch.split(stage, self._small_split)[::2]
+        host = self._buffer[: self._small_bytes]
+        if to_host:
+            torch._foreach_copy_(parts, self._views[:count])
+            host.copy_(stage, non_blocking=cuda)
+        else:
+            stage.copy_(host, non_blocking=cuda)
+            torch._foreach_copy_(self._views[:count], parts)
+        del stage, parts  # freed in stream order, after the copies
 
     @property
     def nbytes(self) -> int:
@@ -184,38 +213,26 @@ class StateOffloader:
         engine.reshard()
         for role in engine.optimizers:
             engine.zero_grad(role)
-        storages = self._storages()
-        # Small storages first, contiguous in the host buffer: they move as one block (see `_small_block`).
-        storages = sorted(storages, key=lambda st: st.nbytes() > self.small_block)
-        slots, offset = [], 0
-        for storage in storages:
-            slots.append(_Slot(storage, offset, storage.nbytes()))
-            offset += -(-storage.nbytes() // self.ALIGN) * self.ALIGN
+        self._layout(self._storages())
+        offset = self._slots[-1].offset + self._slots[-1].nbytes if self._slots else 0
         cuda = engine.device.type == "cuda"
         allocated = 0.0
         if self._buffer is None or self._buffer.numel() < offset:
             begin = time.perf_counter()
             self._buffer = torch.empty(offset, dtype=torch.uint8, pin_memory=cuda)
             allocated = time.perf_counter() - begin
-        self._slots = slots
         prepared = time.perf_counter() - started
         copy_started = time.perf_counter()
-        small, small_bytes = self._small_block()
-        if small:
-            stage = torch.empty(small_bytes, dtype=torch.uint8, device=engine.device)
-            torch._foreach_copy_(
-                [stage[s.offset : s.offset + s.nbytes] for s in small], [_bytes_of(s.storage) for s in small]
-            )
-            self._buffer[:small_bytes].copy_(stage, non_blocking=cuda)
-            for slot in small:
-                slot.storage.resize_(0)
-            del stage  # freed in stream order, after the copy
-        for slot in slots[len(small) :]:
-            self._buffer[slot.offset : slot.offset + slot.nbytes].copy_(
-                _bytes_of(slot.storage), non_blocking=cuda
-            )
+        count = self._small_count
+        # The large storages first: the device starts copying at once, and the host builds the small
+        # block's copy while it does.
+        for slot, view in zip(self._slots[count:], self._views[count:], strict=True):
+            self._buffer[slot.offset : slot.offset + slot.nbytes].copy_(view, non_blocking=cuda)
             # Freeing right away is safe: the caching allocator reuses a block only for work queued after
             # this copy on the same stream; the CPU work of freeing overlaps the copies.
+            slot.storage.resize_(0)
+        self._copy_small(to_host=True, cuda=cuda)
+        for slot in self._slots[:count]:
             slot.storage.resize_(0)
         if cuda:
             torch.cuda.synchronize(engine.device)
@@ -237,29 +254,76 @@ class StateOffloader:
             raise RuntimeError("wake() while awake: call sleep() first")
         cuda = self.engine.device.type == "cuda"
         started = time.perf_counter()
-        copy_started = time.perf_counter()
-        small, small_bytes = self._small_block()
-        stage = None
-        if small:  # outside the pool: the reserved segment is sized for the large storages alone
-            stage = torch.empty(small_bytes, dtype=torch.uint8, device=self.engine.device)
-            stage.copy_(self._buffer[:small_bytes], non_blocking=cuda)
-        with self._packed() if cuda and self.pack and _packing_works() else contextlib.nullcontext():
-            for slot in self._slots[len(small) :]:  # allocating the next storage overlaps queued copies
+        count = self._small_count
+        large = list(zip(self._slots[count:], self._views[count:], strict=True))
+
+        def restore(run) -> None:
+            for slot, view in run:  # allocating the next storage overlaps the copies already queued
                 slot.storage.resize_(slot.nbytes)
-                _bytes_of(slot.storage).copy_(
-                    self._buffer[slot.offset : slot.offset + slot.nbytes], non_blocking=cuda
-                )
-            for slot in small:
+                view.copy_(self._buffer[slot.offset : slot.offset + slot.nbytes], non_blocking=cuda)
+
+        if cuda and self.pack and _packing_works():
+            self._packed_wake(large, restore)
+        else:
+            restore(large)
+            for slot in self._slots[:count]:
                 slot.storage.resize_(slot.nbytes)
-        if small:
-            torch._foreach_copy_(
-                [_bytes_of(s.storage) for s in small], [stage[s.offset : s.offset + s.nbytes] for s in small]
-            )
-            del stage
+        self._copy_small(to_host=False, cuda=cuda)
         if cuda:
             torch.cuda.synchronize(self.engine.device)
         self.asleep = False
         self.last.update(
-            {"wake_s": time.perf_counter() - started, "wake_copy_s": time.perf_counter() - copy_started}
+            {"wake_s": time.perf_counter() - started, "wake_copy_s": time.perf_counter() - started}
         )
         return dict(self.last)
+
+    def _packed_wake(self, large, restore) -> None:
+        """Allocate the storages of a wake in few device segments (`pack=True`).
+
+        Returning memory to the driver costs one `cudaFree` per segment of the caching allocator (about
+        40 us each on an H200, and each one waits for the device), not per byte: 15 GB in one segment
+        frees in 5-9 ms, in 1,280 segments of 12 MB in 53-61 ms (scripts/bench_release.py). The storages
+        of a sharded model are thousands of separate allocations, so left alone they occupy hundreds of
+        segments. Here consecutive storages above the small-block size are cut from one segment of about
+        `chunk_bytes`, reserved first (the allocator splits a free block to serve a smaller request),
+        inside a private memory pool so that no other tensor lands in those segments and keeps them from
+        being freed. The size of a run trades the two directions (H200, 13.9 GiB, docs/benchmarks.md):
+        fewer, larger segments free faster at sleep, but a large `cudaMalloc` at wake does not overlap
+        the copies queued before it (wake at 90-91% of the raw copy with runs of 128 MB to 14 GB, 94%
+        with 64 MB; the allocator's own ~32 MB segments overlap fully but free slowly: sleep 86-89%).
+        The pool holds its segments until it is destroyed (`torch.cuda.empty_cache` skips a pool that is
+        still referenced), so a releasing sleep drops it, and a wake makes a new one when the runs changed
+        (AdamW creates its state at the first step).
+        """
+        device = self.engine.device
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        sizes = [-(-slot.nbytes // self.ALIGN) * self.ALIGN for slot, _ in large]
+        chunks = plan_chunks(sizes, self.chunk_bytes)
+        key = tuple(size for size, _, _ in chunks)
+        if self._pool is not None and self._pool_chunks != key:
+            self._pool = None  # asleep, so every block in it is free: its destructor frees the segments
+        held: dict[int, torch.Tensor] = {}
+        with contextlib.ExitStack() as stack:
+            if self._pool is None:
+                # Blocks of the state sitting free in the default pool (a first sleep with release=False)
+                # go back to the driver before the pool takes the same amount again.
+                torch.cuda.empty_cache()
+                with torch.cuda.device(index):
+                    self._pool = torch.cuda.MemPool()
+                self._pool_chunks = key
+                stack.enter_context(torch.cuda.use_mem_pool(self._pool, device=index))
+            else:
+                # The last wake's segments are free in the kept pool. Each run takes one of them whole
+                # (largest first: a request takes the smallest free block that fits), so that no run
+                # spills into a segment meant for a later one.
+                stack.enter_context(torch.cuda.use_mem_pool(self._pool, device=index))
+                for i in sorted(range(len(chunks)), key=lambda i: -chunks[i][0]):
+                    held[i] = torch.empty(chunks[i][0], dtype=torch.uint8, device=device)
+            for i, (size, start, end) in enumerate(chunks):
+                if held.pop(i, None) is None:
+                    torch.empty(
+                        size, dtype=torch.uint8, device=device
+                    )  # a new segment, then free in the pool
+                restore(large[start:end])
+            for slot in self._slots[: self._small_count]:
+                slot.storage.resize_(slot.nbytes)
