@@ -11,7 +11,8 @@ LoRA roles on the student and fake-score copies), an SD3-shaped transformer
 - peak device memory over the timed cycles;
 - the model FLOPs of each phase, counted by torch's FlopCounterMode on one phase,
   and the ideal time of those FLOPs at the bf16 matmul rate measured in the same
-  run (an 8192^3 matmul): MFU = FLOPs / time / rate.
+  run (8192^3 matmuls, before and after the layouts; the higher of the two):
+  MFU = FLOPs / time / rate.
 
     python scripts/bench_phases.py --layouts shared_base_adapters independent --batch 2 --json out.json
 """
@@ -37,20 +38,22 @@ from bench_offload import sd3_config
 TEXT_TOKENS = 333
 
 
-def matmul_rate(device: torch.device, size: int = 8192, repeats: int = 20) -> float:
-    """Measured bf16 matmul FLOP/s (size^3, median of repeats)."""
+def matmul_rate(device: torch.device, size: int = 8192, repeats: int = 20, rounds: int = 5) -> float:
+    """Measured bf16 matmul FLOP/s: size^3 products back to back, timed per round of `repeats` (one wait
+    per round, so launch and wait overheads do not count), median over `rounds`."""
     a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
     b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
-    for _ in range(3):
+    for _ in range(5):
         a @ b
-    times = []
-    for _ in range(repeats):
+    rates = []
+    for _ in range(rounds):
         torch.cuda.synchronize(device)
         start = time.perf_counter()
-        a @ b
+        for _ in range(repeats):
+            a @ b
         torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    return 2 * size**3 / statistics.median(times)
+        rates.append(2 * size**3 * repeats / (time.perf_counter() - start))
+    return statistics.median(rates)
 
 
 def compiled_graphs() -> int:
@@ -76,7 +79,7 @@ def make_batch(batch: int, generator: torch.Generator, *, pin: bool = True) -> d
     return {k: v.pin_memory() for k, v in batch.items()} if pin and torch.cuda.is_available() else batch
 
 
-def run_layout(layout: str, args, device: torch.device, rate: float) -> dict:
+def run_layout(layout: str, args, device: torch.device) -> dict:
     from torch.utils.flop_counter import FlopCounterMode
 
     from verl_dmd.adapters import get_adapter
@@ -170,10 +173,6 @@ def run_layout(layout: str, args, device: torch.device, rate: float) -> dict:
         "student_flops": flops["student"],
         "fake_flops": flops["fake_score"],
         "cycle_flops": cycle_flops,
-        "ideal_cycle_s": cycle_flops / rate,
-        "mfu_student": flops["student"] / student_s / rate,
-        "mfu_fake": flops["fake_score"] / fake_s / rate,
-        "mfu_cycle": cycle_flops / cycle_s / rate,
         "peak_bytes": peak,
         "warmup_s": warmup_s,
         "compile": args.compile,
@@ -216,16 +215,27 @@ def main(argv=None) -> int:
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
-    rate = matmul_rate(device)
-    print(
-        f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}: bf16 matmul {rate / 1e12:.0f} TFLOP/s"
-    )
+    # The rate moves by a few percent from run to run (clocks, temperature): measured before and after the
+    # layouts, and MFU is taken against the higher of the two (the conservative side).
+    rate_before = matmul_rate(device)
+    print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}: bf16 matmul "
+          f"{rate_before / 1e12:.0f} TFLOP/s before")  # fmt: skip
     results = []
     for layout in args.layouts:
-        result = run_layout(layout, args, device, rate)
+        results.append(run_layout(layout, args, device))
         gc.collect()
         torch.cuda.empty_cache()  # the layout's engine is gone; the next one starts from an empty device
-        results.append(result)
+    rate_after = matmul_rate(device)
+    rate = max(rate_before, rate_after)
+    print(f"bf16 matmul {rate_after / 1e12:.0f} TFLOP/s after; MFU against {rate / 1e12:.0f}")
+    for result in results:
+        cycle_flops = result["cycle_flops"]
+        result.update({
+            "ideal_cycle_s": cycle_flops / rate,
+            "mfu_student": result["student_flops"] / result["student_phase_s"] / rate,
+            "mfu_fake": result["fake_flops"] / result["fake_phase_s"] / rate,
+            "mfu_cycle": cycle_flops / result["cycle_s"] / rate,
+        })  # fmt: skip
         print(json.dumps(result), flush=True)
     print(f"\nSD3-shaped, {args.layers} layers x {args.hidden}, batch {args.batch}, 1024x1024, K={args.k}, "
           f"LoRA rank {args.lora_rank} (none for independent_full), CFG on, compile {args.compile}, "
@@ -236,7 +246,9 @@ def main(argv=None) -> int:
         print(f"| {r['layout']} | {r['student_phase_s']:.3f} | {r['fake_phase_s']:.3f} | {r['cycle_s']:.3f} | "
               f"{r['ideal_cycle_s']:.3f} | {r['mfu_cycle']:.1%} | {r['peak_bytes'] / 2**30:.1f} |")  # fmt: skip
     if args.json:
-        args.json.write_text(json.dumps({"matmul_flops_per_s": rate, "results": results}, indent=1) + "\n")
+        document = {"matmul_flops_per_s": rate, "matmul_flops_per_s_before": rate_before,
+                    "matmul_flops_per_s_after": rate_after, "results": results}  # fmt: skip
+        args.json.write_text(json.dumps(document, indent=1) + "\n")
     dist.destroy_process_group()
     return 0
 
