@@ -93,6 +93,8 @@ def main(argv=None) -> int:
                         help="sleep(release=False): freed blocks stay in this process's caching allocator")  # fmt: skip
     parser.add_argument("--no-pack", action="store_true",
                         help="StateOffloader(pack=False): wake allocates through the caching allocator as usual")  # fmt: skip
+    parser.add_argument("--no-coalesce", action="store_true",
+                        help="leave small storages where they are (StateOffloader.coalesce_below = 0)")  # fmt: skip
     parser.add_argument("--chunk-mb", type=int, default=None,
                         help="packed wake: device memory reserved at a time (default: the offloader's, 64)")  # fmt: skip
     parser.add_argument("--json", type=Path, default=None)
@@ -104,6 +106,8 @@ def main(argv=None) -> int:
 
     engine = build_engine(args)
     offloader = StateOffloader(engine, pack=not args.no_pack)
+    if args.no_coalesce:
+        offloader.coalesce_below = 0
     if args.chunk_mb is not None:
         offloader.chunk_bytes = args.chunk_mb << 20
 
@@ -137,14 +141,13 @@ def main(argv=None) -> int:
     allocated_asleep = torch.cuda.memory_allocated(device) if cuda else 0
     reserved_asleep = torch.cuda.memory_reserved(device) if cuda else 0
     first_wake = timed(offloader.wake, device)
-    sleeps, wakes, sleep_copies, wake_copies, prepares, releases = [], [], [], [], [], []
+    sleeps, wakes, sleep_copies, prepares, releases = [], [], [], [], []
     for _ in range(args.repeats):
         sleeps.append(timed(sleep, device))
         sleep_copies.append(offloader.last["sleep_copy_s"])
         prepares.append(offloader.last["sleep_prepare_s"])
         releases.append(offloader.last["sleep_release_s"])
         wakes.append(timed(offloader.wake, device))
-        wake_copies.append(offloader.last["wake_copy_s"])
     segments_awake = segments()
     reserved_awake_steady = torch.cuda.memory_reserved(device) if cuda else 0
     offloader.sleep(release=release)
@@ -171,7 +174,6 @@ def main(argv=None) -> int:
         "sleep_s": median(sleeps),
         "wake_s": median(wakes),
         "sleep_copy_s": median(sleep_copies),
-        "wake_copy_s": median(wake_copies),
         "sleep_prepare_s": median(prepares),
         "sleep_release_s": median(releases),
         "raw_d2h_s": median(d2h),
@@ -182,6 +184,9 @@ def main(argv=None) -> int:
         "reserved_asleep": reserved_asleep,
         "pack": offloader.pack,
         "chunk_bytes": offloader.chunk_bytes,
+        "coalesce_below": offloader.coalesce_below,
+        "coalesced_storages": int(info.get("coalesced_storages", 0)),
+        "storages": int(info.get("storages", 0)),
         "segments_before": segments_before,
         "segments_awake_steady": segments_awake,
         "reserved_awake_steady": reserved_awake_steady,
@@ -212,12 +217,13 @@ def main(argv=None) -> int:
         f"| wake, steady (median of {args.repeats}) | {result['wake_s']:.3f} | {gbs['wake_s']:.1f} | {result['raw_h2d_s'] / result['wake_s']:.2f} |"
     )
     print(f"sleep, steady: prepare {result['sleep_prepare_s'] * 1e3:.1f} ms, copy {result['sleep_copy_s'] * 1e3:.1f} ms, "
-          f"release to the driver (empty_cache) {result['sleep_release_s'] * 1e3:.1f} ms; wake copy "
-          f"{result['wake_copy_s'] * 1e3:.1f} ms")  # fmt: skip
+          f"release to the driver (empty_cache) {result['sleep_release_s'] * 1e3:.1f} ms")  # fmt: skip
     if cuda:
         print(f"device memory: allocated {allocated / 2**30:.2f} -> {allocated_asleep / 2**30:.3f} GiB asleep "
               f"({allocated_asleep / max(allocated, 1):.1%}); reserved {reserved / 2**30:.2f} -> "
               f"{reserved_asleep / 2**30:.3f} GiB")  # fmt: skip
+        print(f"storages moved: {result['storages']} ({result['coalesced_storages']} small ones coalesced into "
+              "shared buffers at the first sleep)")  # fmt: skip
         print(f"allocator segments: {segments_before} at the start, {segments_awake} awake after the steady "
               f"rounds, {segments_asleep} asleep; reserved asleep after the steady rounds "
               f"{reserved_asleep_steady / 2**30:.3f} GiB, awake {reserved_awake_steady / 2**30:.2f} GiB")  # fmt: skip

@@ -145,11 +145,14 @@ def sleep_wake(rank: int, world_size: int, layout: str, every_phase: bool) -> di
     stack.run(PHASES)
     # The tiny test model's storages are all below the real 1 MB threshold; split them at the median
     # so both paths run: small ones as one staged block, the others one by one.
+    # The smallest quarter is coalesced first (into shared buffers that then move as large storages).
     sizes = sorted(storage.nbytes() for storage in offloader._storages())
     offloader.small_block = sizes[len(sizes) // 2]
+    offloader.coalesce_below = sizes[len(sizes) // 4]
+    moved = offloader.coalesce()
     before = describe_state(stack.engine, offloader)
     info = offloader.sleep()
-    paths = (offloader._small_count, len(offloader._slots) - offloader._small_count)
+    paths = (offloader._small_count, len(offloader._slots) - offloader._small_count, moved)
     freed = all(t.untyped_storage().nbytes() == 0 for t in offloader.state_tensors())
     grads_dropped = all(p.grad is None for params in stack.engine.params.values() for p in params)
     offloader.wake()
@@ -165,6 +168,58 @@ def sleep_wake(rank: int, world_size: int, layout: str, every_phase: bool) -> di
     stack.run(PHASES, between=round_trip if every_phase else None)
     return {"mismatches": mismatches, "freed": freed, "grads_dropped": grads_dropped, "bytes": info["bytes"],
             "final": stack.snapshot(), "paths": paths}  # fmt: skip
+
+
+def overlapping_pairs(tensors) -> set[tuple[int, int]]:
+    """Pairs of tensors (by index) whose bytes overlap: aliasing as the tensors see it, whatever storage."""
+    spans = []
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        size = tensor.element_size()
+        steps = zip(tensor.shape, tensor.stride(), strict=True)
+        extent = 0 if tensor.numel() == 0 else size * (1 + sum((n - 1) * st for n, st in steps))
+        start = tensor.data_ptr() - storage.data_ptr()
+        spans.append((storage.data_ptr(), start, start + extent))
+    return {(i, j) for i, a in enumerate(spans) for j, b in enumerate(spans)
+            if i < j and a[0] == b[0] and a[1] < b[2] and b[1] < a[2]}  # fmt: skip
+
+
+def coalesced(rank: int, world_size: int, layout: str, root: str) -> dict:
+    """PHASES phases; coalescing with the default limit (every storage of the tiny model is below it),
+    checked field by field; PHASES more with a sleep/wake before each; a checkpoint at the end."""
+    from verl_dmd.runtime.offload import StateOffloader
+
+    stack = Stack(rank, world_size, layout)
+    offloader = StateOffloader(stack.engine)
+    stack.run(PHASES)
+    storages_before = len(offloader._storages())
+    before = describe_state(stack.engine, offloader)
+    pairs_before = overlapping_pairs(offloader.state_tensors())
+    moved = offloader.coalesce()
+    after = describe_state(stack.engine, offloader)
+    pairs_after = overlapping_pairs(offloader.state_tensors())
+    # storage-level fields change by design (offsets, storage sizes, which storage); the rest may not
+    same = ("param_ids", "optimizer_bindings", "specs", "requires_grad")
+    mismatches = [k for k in same if before[k] != after[k]]
+    mismatches += ["locals"] if [x[:3] for x in before["locals"]] != [x[:3] for x in after["locals"]] else []
+    mismatches += ["aliasing"] if pairs_before != pairs_after else []
+    mismatches += [f"values[{i}]" for i, (a, b) in enumerate(zip(before["values"], after["values"], strict=True))
+                   if not torch.equal(a, b)]  # fmt: skip
+
+    def round_trip():
+        offloader.sleep()
+        offloader.wake()
+
+    stack.run(PHASES, between=round_trip)
+    path = stack.save(root)
+    return {"mismatches": mismatches, "moved": moved, "storages": (storages_before, len(offloader._storages())),
+            "recoalesced": offloader.coalesce(), "final": stack.snapshot(), "path": str(path)}  # fmt: skip
+
+
+def loaded_snapshot(rank: int, world_size: int, layout: str, root: str) -> dict:
+    stack = Stack(rank, world_size, layout)
+    assert stack.load(root) is not None
+    return stack.snapshot()
 
 
 def plain_run(rank: int, world_size: int, layout: str, phases: int) -> dict:

@@ -104,7 +104,7 @@ def probe_student_gradient(rank: int, world_size: int) -> dict:
         "state": state,
         "grads": grads,
         "exits": exits,
-        "metrics": dict(output.metrics),
+        "metrics": {k: float(v) for k, v in output.metrics.items()},
         "head_moves": head_moves,
         "phase_metrics": phase_metrics,
         "head_role": [

@@ -10,6 +10,12 @@ both optimizers' state tensors. Gradients are dropped at sleep.
 Because only storages change, everything that refers to them stays valid:
 parameter objects, optimizer bindings, DTensor specs, padding, strides, dtypes,
 `requires_grad`, and tensors that share a storage (each storage moves once).
+Once, at the first sleep (and again when the set of state tensors changes), the
+small storages are coalesced: every tensor object using one is pointed at its
+bytes inside a shared buffer of about 64 MB (`StateOffloader.coalesce`; only
+when the storage's use count shows that every holder is known). Replacing a
+state tensor's storage behind the offloader's back (`p.data = ...`) between
+sleeps is not supported: the offloader would move the old storage.
 
 - On CUDA the host buffer is pinned, allocated once at the first sleep (pinned
   allocation runs at about 2 GB/s, far slower than the copies) and reused; the
@@ -20,7 +26,7 @@ parameter objects, optimizer bindings, DTensor specs, padding, strides, dtypes,
   64 MB reserved run by run: the driver then frees a few hundred large segments
   at the next sleep instead of the allocator's many (each free costs ~40 us and
   waits for the device; see `StateOffloader._packed_wake`). Small storages move
-  as one staged block (see `StateOffloader._copy_small`).
+  as one staged block (see `StateOffloader._small_to_host`).
 - On CPU the same steps run with an ordinary host buffer: memory is released and
   restored the same way (the identity tests run this path); it saves nothing but
   keeps one code path.
@@ -36,6 +42,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from verl_dmd.runtime.engine import local_tensor
 
@@ -80,6 +87,12 @@ class _Slot:
     nbytes: int
 
 
+def _inner(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor object that holds the storage: a DTensor's own local tensor (`to_local()` would make a
+    new view object when grad is enabled)."""
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
 def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
     """A uint8 tensor over the whole storage (no copy)."""
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
@@ -95,7 +108,10 @@ class StateOffloader:
         # pack: wake allocates the storages in few device segments (see `_packed_wake`); measured on an
         # H200 in docs/benchmarks.md (sleep 92%, wake 94% of the raw pinned copy, vs 86-89% / 96-99% unpacked).
         self.pack = pack
-        self.small_block = _SMALL_BLOCK  # storages up to this many bytes move as one block (`_small_block`)
+        self.small_block = _SMALL_BLOCK  # storages up to this many bytes move as one block (`_small_to_host`)
+        # storages up to this many bytes are moved into shared buffers at the first sleep (`coalesce`); 0: never
+        self.coalesce_below = _SMALL_BLOCK
+        self._coalesced_for: list[torch.UntypedStorage] | None = None
         self.asleep = False
         self._buffer: torch.Tensor | None = None
         self._slots: list[_Slot] = []
@@ -144,12 +160,94 @@ class StateOffloader:
         self._cache = (key, storages, objects)  # the objects stay referenced, so their ids cannot be reused
         return storages
 
+    # ------------------------------------------------------------------ coalescing small storages
+
+    def _holders(self) -> dict[int, dict[int, torch.Tensor]]:
+        """Every tensor object known to use a storage of the state, by storage address: the state's local
+        tensors, FSDP2's flat views of its shards, and the bases of those views."""
+        tensors = [_inner(t) for t in self._state_objects()]
+        for module in self.engine.fsdp_modules():
+            group = module._get_fsdp_state()._fsdp_param_group
+            for fsdp_param in group.fsdp_params if group is not None else ():
+                for name in ("_sharded_param_data", "_sharded_post_forward_param_data"):
+                    tensor = getattr(fsdp_param, name, None)
+                    if isinstance(tensor, torch.Tensor):
+                        tensors.append(tensor)
+        # A view keeps its base tensor alive (FSDP2's shard views are views of one padded tensor).
+        tensors += [t._base for t in tensors if t._base is not None]
+        holders: dict[int, dict[int, torch.Tensor]] = {}
+        for tensor in tensors:
+            storage = tensor.untyped_storage()
+            if storage.nbytes():
+                holders.setdefault(storage.data_ptr(), {})[id(tensor)] = tensor
+        return holders
+
+    def coalesce(self) -> int:
+        """Move the state's storages up to `coalesce_below` bytes into shared buffers of about
+        `chunk_bytes`; returns how many storages moved.
+
+        Thousands of small tensors (LoRA factors, their AdamW state) sit in the caching allocator's 2 MB
+        small-block segments, hundreds of them, and returning a segment to the driver costs ~40 us however
+        small it is (on an H200, 23-30 ms of a 0.2 s sleep of the shared-LoRA state). Here every tensor
+        object that uses such a storage is pointed (`set_`) at its bytes inside a shared buffer: same
+        object, shape, strides, dtype and values; tensors that shared a storage still share their bytes.
+        A storage moves only when every holder of it is known: the state's tensors and FSDP2's views of
+        its shards must account for the storage's whole use count, so a reference held elsewhere (which
+        would keep the old bytes) leaves that storage where it is. `sleep` calls this when the set of
+        state tensors changed (the first sleep, after AdamW made its state or a checkpoint replaced it).
+        """
+        moved = self._coalesce()
+        self._coalesced_for = self._storages()
+        return moved
+
+    def _coalesce(self) -> int:
+        limit = self.coalesce_below
+        self._views, self._plan, self._slots = [], None, []  # our own views would count as holders
+        small = [st for st in self._storages() if st.nbytes() <= limit]
+        if not limit or len(small) < 2:
+            return 0
+        holders = self._holders()
+        movable = []
+        for storage in small:
+            users = list(holders.get(storage.data_ptr(), {}).values())
+            # the holders' tensor objects, plus the one python object of the storage itself (ours)
+            if users and torch._C._storage_Use_Count(storage._cdata) == len(users) + 1:
+                movable.append((storage, users))
+        if len(movable) < 2:
+            return 0
+        sizes = [-(-storage.nbytes() // self.ALIGN) * self.ALIGN for storage, _ in movable]
+        with torch.no_grad():
+            for total, start, end in plan_chunks(sizes, self.chunk_bytes):
+                shared = torch.empty(total, dtype=torch.uint8, device=self.engine.device)
+                parts = list(torch.split(shared, sizes[start:end]))
+                torch._foreach_copy_(
+                    [
+                        part[: storage.nbytes()]
+                        for part, (storage, _) in zip(parts, movable[start:end], strict=True)
+                    ],
+                    [_bytes_of(storage) for storage, _ in movable[start:end]],
+                )
+                offset = 0
+                for (_, users), size in zip(movable[start:end], sizes[start:end], strict=True):
+                    for tensor in users:
+                        element = tensor.element_size()
+                        tensor.set_(
+                            shared.untyped_storage(),
+                            (offset + tensor.storage_offset() * element) // element,
+                            tensor.size(),
+                            tensor.stride(),
+                        )
+                    offset += size
+                del shared, parts
+        self._cache = None  # the storages changed; the objects did not
+        return len(movable)
+
     # ------------------------------------------------------------------ layout in the host buffer
 
     def _layout(self, storages: list[torch.UntypedStorage]) -> None:
         """Slots in the host buffer, views and the staging split; remade only when the storages change.
 
-        Small storages come first, contiguous: they move as one block (see `_copy_small`).
+        Small storages come first, contiguous: they move as one block (see `_small_to_host`).
         """
         key = (storages, self.small_block, self.ALIGN)
         if self._plan is not None and self._plan[0] is storages and self._plan[1:] == key[1:]:
@@ -164,33 +262,39 @@ class StateOffloader:
         small = [slot for slot in slots if slot.nbytes <= self.small_block]
         self._small_count = len(small)
         self._small_bytes = small[-1].offset + small[-1].nbytes if small else 0
-        split = []
-        for slot, following in zip(small, [*small[1:], None], strict=True):
-            split += [
-                slot.nbytes,
-                (following.offset if following else self._small_bytes) - slot.offset - slot.nbytes,
-            ]
-        self._small_split = split
+        ends = [slot.offset for slot in small[1:]] + ([self._small_bytes] if small else [])
+        self._small_split = [
+            size
+            for slot, end in zip(small, ends, strict=True)
+            for size in (slot.nbytes, end - slot.offset - slot.nbytes)
+        ]
         self._plan = key
 
-    def _copy_small(self, *, to_host: bool, cuda: bool) -> None:
-        """Thousands of small tensors (LoRA factors and their AdamW state) cost a copy's latency each, not
-        bandwidth; they move as one block instead: gathered on the device into one staging buffer with a
-        multi-tensor copy, then one copy each way (scattered back the same way at wake). The staging
-        buffer is device memory for the duration of the copy (the small storages' total)."""
+    def _small_to_host(self, cuda: bool) -> None:
+        """Thousands of small tensors (LoRA factors and their AdamW state, unless coalesced) cost a copy's
+        latency each, not bandwidth; they move as one block instead: gathered on the device into one
+        staging buffer with a multi-tensor copy, then one copy each way (scattered back the same way at
+        wake, `_small_to_device`). The staging buffer is device memory for the duration of the copy."""
         count = self._small_count
         if not count:
             return
         stage = torch.empty(self._small_bytes, dtype=torch.uint8, device=self.engine.device)
-        parts = torch.split(stage, self._small_split)[::2]
-        host = self._buffer[: self._small_bytes]
-        if to_host:
-            torch._foreach_copy_(parts, self._views[:count])
-            host.copy_(stage, non_blocking=cuda)
-        else:
-            stage.copy_(host, non_blocking=cuda)
-            torch._foreach_copy_(self._views[:count], parts)
-        del stage, parts  # freed in stream order, after the copies
+        torch._foreach_copy_(torch.split(stage, self._small_split)[::2], self._views[:count])
+        self._buffer[: self._small_bytes].copy_(stage, non_blocking=cuda)
+        del stage  # freed in stream order, after the copy
+
+    def _small_to_device(self, cuda: bool) -> torch.Tensor | None:
+        """The small block's bytes in a device staging buffer (queued first at wake, before the large
+        storages are allocated); `_scatter_small` puts them in place once the small storages exist."""
+        if not self._small_count:
+            return None
+        stage = torch.empty(self._small_bytes, dtype=torch.uint8, device=self.engine.device)
+        stage.copy_(self._buffer[: self._small_bytes], non_blocking=cuda)
+        return stage
+
+    def _scatter_small(self, stage: torch.Tensor | None) -> None:
+        if stage is not None:
+            torch._foreach_copy_(self._views[: self._small_count], torch.split(stage, self._small_split)[::2])
 
     @property
     def nbytes(self) -> int:
@@ -213,6 +317,9 @@ class StateOffloader:
         engine.reshard()
         for role in engine.optimizers:
             engine.zero_grad(role)
+        coalesced = 0
+        if self.coalesce_below and self._storages() is not self._coalesced_for:
+            coalesced = self.coalesce()
         self._layout(self._storages())
         offset = self._slots[-1].offset + self._slots[-1].nbytes if self._slots else 0
         cuda = engine.device.type == "cuda"
@@ -231,7 +338,7 @@ class StateOffloader:
             # Freeing right away is safe: the caching allocator reuses a block only for work queued after
             # this copy on the same stream; the CPU work of freeing overlaps the copies.
             slot.storage.resize_(0)
-        self._copy_small(to_host=True, cuda=cuda)
+        self._small_to_host(cuda)
         for slot in self._slots[:count]:
             slot.storage.resize_(0)
         if cuda:
@@ -245,7 +352,8 @@ class StateOffloader:
         self.asleep = True
         self.last = {"sleep_s": time.perf_counter() - started, "sleep_copy_s": copy_seconds,
                      "sleep_prepare_s": prepared, "sleep_release_s": released,
-                     "pinned_alloc_s": allocated, "bytes": float(self.nbytes)}  # fmt: skip
+                     "pinned_alloc_s": allocated, "bytes": float(self.nbytes),
+                     "coalesced_storages": float(coalesced), "storages": float(len(self._slots))}  # fmt: skip
         return dict(self.last)
 
     def wake(self) -> dict[str, float]:
@@ -256,6 +364,7 @@ class StateOffloader:
         started = time.perf_counter()
         count = self._small_count
         large = list(zip(self._slots[count:], self._views[count:], strict=True))
+        stage = self._small_to_device(cuda)  # outside the pool, and queued before any large allocation
 
         def restore(run) -> None:
             for slot, view in run:  # allocating the next storage overlaps the copies already queued
@@ -268,13 +377,13 @@ class StateOffloader:
             restore(large)
             for slot in self._slots[:count]:
                 slot.storage.resize_(slot.nbytes)
-        self._copy_small(to_host=False, cuda=cuda)
+        self._scatter_small(stage)
+        del stage  # freed in stream order, after the scatter
         if cuda:
             torch.cuda.synchronize(self.engine.device)
         self.asleep = False
-        self.last.update(
-            {"wake_s": time.perf_counter() - started, "wake_copy_s": time.perf_counter() - started}
-        )
+        self.last["wake_s"] = time.perf_counter() - started  # the copies start at once: no separate part
+        self.last.pop("wake_copy_s", None)
         return dict(self.last)
 
     def _packed_wake(self, large, restore) -> None:
@@ -289,8 +398,9 @@ class StateOffloader:
         inside a private memory pool so that no other tensor lands in those segments and keeps them from
         being freed. The size of a run trades the two directions (H200, 13.9 GiB, docs/benchmarks.md):
         fewer, larger segments free faster at sleep, but a large `cudaMalloc` at wake does not overlap
-        the copies queued before it (wake at 90-91% of the raw copy with runs of 128 MB to 14 GB, 94%
-        with 64 MB; the allocator's own ~32 MB segments overlap fully but free slowly: sleep 86-89%).
+        the copies queued before it (wake at 90-91% of the raw copy with runs of 128 MB to 1 GB, 88% with
+        one 14 GB segment, 94% with 64 MB runs; the allocator's own ~32 MB segments overlap fully but
+        free slowly: sleep 86-89%).
         The pool holds its segments until it is destroyed (`torch.cuda.empty_cache` skips a pool that is
         still referenced), so a releasing sleep drops it, and a wake makes a new one when the runs changed
         (AdamW creates its state at the first step).
