@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU benchmarks of docs/benchmarks.md in one place (one NVIDIA GPU, no ray).
-#   bash scripts/bench_gpu.sh offload OUTDIR   # sleep/wake: both layouts, packing on (default) and off (~5 min on an H200)
+#   bash scripts/bench_gpu.sh offload OUTDIR   # sleep/wake: both layouts, default vs packing/coalescing off (~6 min on an H200)
 #   bash scripts/bench_gpu.sh phases OUTDIR    # DMD2 phases, compiled, kept gathered (~6 min on an H200)
 # Each run writes its JSON (and the profile) into OUTDIR; the tables print to stdout.
 set -euo pipefail
@@ -18,7 +18,8 @@ case "$what" in
     $off --layers 6 --keep-reserved --repeats 3 --json "$out/offload_independent_kept.json"
     # 48 layers: with the frozen base stored in bfloat16 the 24-layer state is under 8 GiB.
     $off --layout shared_base_adapters --layers 48 --json "$out/offload_shared_lora.json"
-    $off --layout shared_base_adapters --layers 48 --no-pack --json "$out/offload_shared_lora_unpacked.json"
+    $off --layout shared_base_adapters --layers 48 --no-coalesce --json "$out/offload_shared_lora_uncoalesced.json"
+    $off --layout shared_base_adapters --layers 48 --no-pack --no-coalesce --json "$out/offload_shared_lora_plain.json"
     ;;
   phases)
     ph="$py $here/bench_phases.py --repeats 2 --compile --keep-gathered"
