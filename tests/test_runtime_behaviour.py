@@ -291,3 +291,31 @@ def test_frozen_roles_run_in_eval_mode_even_with_peft_dropout(tmp_path):
     assert result["built"] == {"teacher": [False], "student": [False], "fake_score": [False]}
     assert result["fake_phase"] == {"teacher": [False], "student": [False], "fake_score": [True]}
     assert result["after"] == result["built"]
+
+
+def test_mode_switch_sets_every_module_and_respects_train_overrides():
+    """The engine sets train/eval on a cached module list instead of walking the tree; a model with a
+    module that overrides `train` goes through `model.train`, so the override still runs."""
+    import types
+
+    from torch import nn
+
+    from verl_dmd.runtime.engine import RoleEngine
+
+    calls = []
+
+    class Custom(nn.Linear):
+        def train(self, mode=True):
+            calls.append(mode)
+            return super().train(mode)
+
+    fake = types.SimpleNamespace(_module_cache={})
+    plain = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Dropout(0.5), nn.Linear(2, 2)))
+    custom = nn.Sequential(nn.Linear(2, 2), Custom(2, 2))
+    for mode in (False, True, False):
+        RoleEngine._set_mode(fake, "plain", plain, mode)
+        RoleEngine._set_mode(fake, "custom", custom, mode)
+        assert {m.training for m in plain.modules()} == {mode}
+        assert {m.training for m in custom.modules()} == {mode}
+    assert fake._module_cache["plain"][1] and not fake._module_cache["custom"][1]
+    assert calls == [False, True, False]
