@@ -186,6 +186,7 @@ def main(argv=None) -> int:
         "chunk_bytes": offloader.chunk_bytes,
         "coalesce_below": offloader.coalesce_below,
         "coalesced_storages": int(info.get("coalesced_storages", 0)),
+        "coalesce_rejected": int(info.get("coalesce_rejected", 0)),
         "storages": int(info.get("storages", 0)),
         "segments_before": segments_before,
         "segments_awake_steady": segments_awake,
@@ -223,7 +224,7 @@ def main(argv=None) -> int:
               f"({allocated_asleep / max(allocated, 1):.1%}); reserved {reserved / 2**30:.2f} -> "
               f"{reserved_asleep / 2**30:.3f} GiB")  # fmt: skip
         print(f"storages moved: {result['storages']} ({result['coalesced_storages']} small ones coalesced into "
-              "shared buffers at the first sleep)")  # fmt: skip
+              f"shared buffers at the first sleep, {result['coalesce_rejected']} left: a holder outside the state)")  # fmt: skip
         print(f"allocator segments: {segments_before} at the start, {segments_awake} awake after the steady "
               f"rounds, {segments_asleep} asleep; reserved asleep after the steady rounds "
               f"{reserved_asleep_steady / 2**30:.3f} GiB, awake {reserved_awake_steady / 2**30:.2f} GiB")  # fmt: skip

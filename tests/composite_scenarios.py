@@ -216,6 +216,41 @@ def coalesced(rank: int, world_size: int, layout: str, root: str) -> dict:
             "recoalesced": offloader.coalesce(), "final": stack.snapshot(), "path": str(path)}  # fmt: skip
 
 
+def coalesced_again(rank: int, world_size: int, layout: str, overrides: dict) -> dict:
+    """Coalescing in tiny runs (4 KB), first before the optimizers hold state (parameters only), then at
+    a sleep after it (AdamW state and the first shared buffers, whose tensors sit at non-zero offsets);
+    frozen weights in bfloat16 beside float32 ones; one parameter with a view held outside the state
+    stays where it is; PHASES phases with a sleep/wake before each."""
+    from verl_dmd.runtime.offload import StateOffloader
+
+    stack = Stack(rank, world_size, layout, **overrides)
+    offloader = StateOffloader(stack.engine)
+    offloader.chunk_bytes = 4096
+    param = stack.engine.params[Role.FAKE_SCORE][0]
+    extra = param._local_tensor.view(-1)  # a holder the offloader does not know
+    first = offloader.coalesce()
+    first_rejected = offloader.last_coalesce["rejected"]
+    first_buffers = len(offloader._storages())
+
+    def round_trip():
+        offloader.sleep()
+        offloader.wake()
+
+    stack.run(PHASES, between=round_trip)
+    try:
+        offloader.sleep()
+        offloader.coalesce()
+        asleep_error = None
+    except RuntimeError as err:
+        asleep_error = str(err)
+    offloader.wake()
+    return {"first": first, "first_rejected": first_rejected, "first_buffers": first_buffers,
+            "later": dict(offloader.last_coalesce), "asleep_error": asleep_error,
+            "extra_aliased": extra.data_ptr() == param._local_tensor.data_ptr()
+            and torch.equal(extra, param._local_tensor.reshape(-1)),
+            "final": stack.snapshot()}  # fmt: skip
+
+
 def loaded_snapshot(rank: int, world_size: int, layout: str, root: str) -> dict:
     stack = Stack(rank, world_size, layout)
     assert stack.load(root) is not None

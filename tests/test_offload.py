@@ -3,7 +3,15 @@
 from __future__ import annotations
 
 import pytest
-from composite_scenarios import PHASES, coalesced, loaded_snapshot, plain_run, sleep_wake
+from composite_scenarios import (
+    PHASES,
+    coalesced,
+    coalesced_again,
+    loaded_snapshot,
+    plain_run,
+    sharding_variant,
+    sleep_wake,
+)
 from dist_harness import run_ranks
 from test_checkpoint_composite import assert_equal_state
 
@@ -46,6 +54,25 @@ def test_coalescing_small_storages_keeps_every_tensor_and_training_and_checkpoin
         assert result["recoalesced"] == 0  # nothing small left to move
         assert_equal_state(result["final"], without[rank], f"rank {rank}")
         assert_equal_state(loaded[rank], result["final"], f"rank {rank}: loaded checkpoint")
+
+
+@pytest.mark.parametrize("layout", ["shared_base_adapters", "independent"])
+def test_coalescing_again_at_offsets_with_mixed_dtypes_and_an_outside_holder(tmp_path, layout):
+    """2 gloo ranks, frozen weights in bfloat16: coalescing in 4 KB runs before any optimizer state, then
+    again when AdamW made its state (moving the first shared buffers, tensors at non-zero offsets), with
+    a sleep/wake before every phase, trains bit for bit like no coalescing; a storage with a holder
+    outside the state is left in place (its outside view still sees the parameter); coalescing while
+    asleep is refused."""
+    overrides = {"model.param_dtype": "bfloat16"}
+    got = run_ranks(coalesced_again, 2, tmp_path / "a", layout, overrides)
+    without = run_ranks(sharding_variant, 2, tmp_path / "b", layout, overrides)
+    for rank in (0, 1):
+        result = got[rank]
+        assert result["first"] > 10 and result["first_rejected"] == 1, result
+        assert result["later"]["moved"] > 0, result["later"]
+        assert result["extra_aliased"]
+        assert "while asleep" in (result["asleep_error"] or "")
+        assert_equal_state(result["final"], without[rank], f"rank {rank}")
 
 
 @pytest.mark.parametrize(

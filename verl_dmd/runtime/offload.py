@@ -112,6 +112,7 @@ class StateOffloader:
         # storages up to this many bytes are moved into shared buffers at the first sleep (`coalesce`); 0: never
         self.coalesce_below = _SMALL_BLOCK
         self._coalesced_for: list[torch.UntypedStorage] | None = None
+        self.last_coalesce: dict[str, int] = {"moved": 0, "rejected": 0}
         self.asleep = False
         self._buffer: torch.Tensor | None = None
         self._slots: list[_Slot] = []
@@ -163,12 +164,15 @@ class StateOffloader:
     # ------------------------------------------------------------------ coalescing small storages
 
     def _holders(self) -> dict[int, dict[int, torch.Tensor]]:
-        """Every tensor object known to use a storage of the state, by storage address: the state's local
-        tensors, FSDP2's flat views of its shards, and the bases of those views."""
+        """Every tensor object known to use a storage of the state, by storage (its C++ object): the
+        state's local tensors, FSDP2's flat views of its shards, and the bases of those views."""
         tensors = [_inner(t) for t in self._state_objects()]
         for module in self.engine.fsdp_modules():
-            group = module._get_fsdp_state()._fsdp_param_group
-            for fsdp_param in group.fsdp_params if group is not None else ():
+            state = module._get_fsdp_state()
+            groups = getattr(state, "_fsdp_param_groups", None)
+            if groups is None:  # torch versions with one group per module
+                groups = [state._fsdp_param_group] if state._fsdp_param_group is not None else []
+            for fsdp_param in (p for group in groups for p in group.fsdp_params):
                 for name in ("_sharded_param_data", "_sharded_post_forward_param_data"):
                     tensor = getattr(fsdp_param, name, None)
                     if isinstance(tensor, torch.Tensor):
@@ -179,12 +183,12 @@ class StateOffloader:
         for tensor in tensors:
             storage = tensor.untyped_storage()
             if storage.nbytes():
-                holders.setdefault(storage.data_ptr(), {})[id(tensor)] = tensor
+                holders.setdefault(storage._cdata, {})[id(tensor)] = tensor
         return holders
 
     def coalesce(self) -> int:
         """Move the state's storages up to `coalesce_below` bytes into shared buffers of about
-        `chunk_bytes`; returns how many storages moved.
+        `chunk_bytes`; returns how many storages moved (`last_coalesce` also counts those left).
 
         Thousands of small tensors (LoRA factors, their AdamW state) sit in the caching allocator's 2 MB
         small-block segments, hundreds of them, and returning a segment to the driver costs ~40 us however
@@ -195,40 +199,55 @@ class StateOffloader:
         its shards must account for the storage's whole use count, so a reference held elsewhere (which
         would keep the old bytes) leaves that storage where it is. `sleep` calls this when the set of
         state tensors changed (the first sleep, after AdamW made its state or a checkpoint replaced it).
+        Moved tensors share a storage with unrelated ones afterwards: `torch.save` of one writes the whole
+        buffer, and assigning one as another parameter's data (`load_state_dict(..., assign=True)`) would
+        look like the same tensor to FSDP2. Old storages are freed run by run (peak: one run extra).
         """
-        moved = self._coalesce()
+        if self.asleep:
+            raise RuntimeError("coalesce() while asleep: call wake() first")
+        try:
+            moved = self._coalesce()
+        finally:
+            self._cache = None  # the storages changed (all, or up to a failed run); the objects did not
         self._coalesced_for = self._storages()
         return moved
 
     def _coalesce(self) -> int:
         limit = self.coalesce_below
-        self._views, self._plan, self._slots = [], None, []  # our own views would count as holders
-        small = [st for st in self._storages() if st.nbytes() <= limit]
-        if not limit or len(small) < 2:
+        # Our own views would count as holders; the layout is remade at the next sleep.
+        self._views, self._plan, self._slots = [], None, []
+        self._small_count, self._small_bytes, self._small_split = 0, 0, []
+        self.last_coalesce = {"moved": 0, "rejected": 0}
+        small = [st for st in self._storages() if st.nbytes() <= limit] if limit else []
+        if len(small) < 2:
             return 0
         holders = self._holders()
-        movable = []
-        for storage in small:
-            users = list(holders.get(storage.data_ptr(), {}).values())
-            # the holders' tensor objects, plus the one python object of the storage itself (ours)
-            if users and torch._C._storage_Use_Count(storage._cdata) == len(users) + 1:
-                movable.append((storage, users))
+        # the holders' tensor objects, plus the one python object of the storage itself (ours)
+        candidates = [(storage, list(holders.get(storage._cdata, {}).values())) for storage in small]
+        movable: list[tuple[torch.UntypedStorage, list[torch.Tensor]] | None] = [
+            (st, users)
+            for st, users in candidates
+            if users and torch._C._storage_Use_Count(st._cdata) == len(users) + 1
+        ]
+        del candidates
+        self.last_coalesce["rejected"] = len(small) - len(movable)
+        self._cache = None
+        del small, holders  # from here on the old storages are referenced only by `movable` and their users
         if len(movable) < 2:
             return 0
-        sizes = [-(-storage.nbytes() // self.ALIGN) * self.ALIGN for storage, _ in movable]
+        sizes = [-(-entry[0].nbytes() // self.ALIGN) * self.ALIGN for entry in movable]
+        count = len(movable)
         with torch.no_grad():
             for total, start, end in plan_chunks(sizes, self.chunk_bytes):
+                run = movable[start:end]
                 shared = torch.empty(total, dtype=torch.uint8, device=self.engine.device)
-                parts = list(torch.split(shared, sizes[start:end]))
+                parts = torch.split(shared, sizes[start:end])
                 torch._foreach_copy_(
-                    [
-                        part[: storage.nbytes()]
-                        for part, (storage, _) in zip(parts, movable[start:end], strict=True)
-                    ],
-                    [_bytes_of(storage) for storage, _ in movable[start:end]],
+                    [part[: entry[0].nbytes()] for part, entry in zip(parts, run, strict=True)],
+                    [_bytes_of(entry[0]) for entry in run],
                 )
                 offset = 0
-                for (_, users), size in zip(movable[start:end], sizes[start:end], strict=True):
+                for (_, users), size in zip(run, sizes[start:end], strict=True):
                     for tensor in users:
                         element = tensor.element_size()
                         tensor.set_(
@@ -238,9 +257,10 @@ class StateOffloader:
                             tensor.stride(),
                         )
                     offset += size
-                del shared, parts
-        self._cache = None  # the storages changed; the objects did not
-        return len(movable)
+                del shared, parts, run
+                movable[start:end] = [None] * (end - start)  # the old storages of this run are freed here
+        self.last_coalesce["moved"] = count
+        return count
 
     # ------------------------------------------------------------------ layout in the host buffer
 
@@ -317,9 +337,9 @@ class StateOffloader:
         engine.reshard()
         for role in engine.optimizers:
             engine.zero_grad(role)
-        coalesced = 0
+        coalesced, rejected = 0, 0
         if self.coalesce_below and self._storages() is not self._coalesced_for:
-            coalesced = self.coalesce()
+            coalesced, rejected = self.coalesce(), self.last_coalesce["rejected"]
         self._layout(self._storages())
         offset = self._slots[-1].offset + self._slots[-1].nbytes if self._slots else 0
         cuda = engine.device.type == "cuda"
@@ -353,7 +373,8 @@ class StateOffloader:
         self.last = {"sleep_s": time.perf_counter() - started, "sleep_copy_s": copy_seconds,
                      "sleep_prepare_s": prepared, "sleep_release_s": released,
                      "pinned_alloc_s": allocated, "bytes": float(self.nbytes),
-                     "coalesced_storages": float(coalesced), "storages": float(len(self._slots))}  # fmt: skip
+                     "coalesced_storages": float(coalesced), "storages": float(len(self._slots)),
+                     "coalesce_rejected": float(rejected)}  # fmt: skip
         return dict(self.last)
 
     def wake(self) -> dict[str, float]:
