@@ -52,7 +52,7 @@ def _to_like(tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     the host prepares the next work (the noise draws of a phase took ~60 ms a phase at batch 8).
     """
     tensor = tensor.to(like.dtype)
-    if like.device.type == "cuda":
+    if like.device.type == "cuda" and tensor.device.type == "cpu":
         return tensor.pin_memory().to(like.device, non_blocking=True)
     return tensor.to(like.device)
 
