@@ -261,3 +261,19 @@ def plain_run(rank: int, world_size: int, layout: str, phases: int) -> dict:
     stack = Stack(rank, world_size, layout)
     stack.run(phases)
     return stack.snapshot()
+
+
+def session_offload_settings(rank: int, world_size: int, layout: str, packing: bool) -> dict:
+    """How a worker's session sets up sleep/wake from `resources.offload_packing`, and a round trip."""
+    from verl_dmd.workers.session import RankSession
+
+    plan = make_plan("dit", layout, **{"resources.offload_packing": packing})
+    session = RankSession(plan, rank=rank, world_size=world_size)
+    session.sleep()
+    moved = session.offloader.last["coalesced_storages"]
+    session.wake()
+    return {
+        "pack": session.offloader.pack,
+        "coalesce_below": session.offloader.coalesce_below,
+        "moved": moved,
+    }

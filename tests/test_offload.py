@@ -9,6 +9,7 @@ from composite_scenarios import (
     coalesced_again,
     loaded_snapshot,
     plain_run,
+    session_offload_settings,
     sharding_variant,
     sleep_wake,
 )
@@ -114,3 +115,11 @@ def test_packed_runs_cover_every_storage_once_in_order(sizes, target):
         assert end > start and total == sum(sizes[start:end])
         if number < len(chunks) - 1:
             assert target <= total < target + sizes[end - 1]
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_resources_offload_packing_reaches_the_workers_offloader(tmp_path, packing):
+    """`resources.offload_packing=false` turns packing and coalescing off in the worker's session."""
+    (got,) = run_ranks(session_offload_settings, 1, tmp_path, "shared_base_adapters", packing)
+    assert got["pack"] is packing
+    assert (got["coalesce_below"] > 0) is packing and (got["moved"] > 0) is packing

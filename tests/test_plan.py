@@ -420,6 +420,7 @@ ALTERNATIVES = {
     "resources.nnodes": 2,
     "resources.workers_per_node": 8,
     "resources.sleep_between_phases": True,
+    "resources.offload_packing": False,
     "checkpoint.root": "/ckpt",
     "checkpoint.save_every": 50,
     "checkpoint.keep_last": 0,

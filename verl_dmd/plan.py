@@ -544,6 +544,11 @@ class ResourceSpec:
     sleep_between_phases: bool = False
     """Move every role's state to (pinned) host memory after each phase and back before the next,
     freeing device memory for colocated work between phases (same math)."""
+    offload_packing: bool = True
+    """How sleep/wake lays the state out on a GPU: true packs it into few device segments (wake in
+    64 MB runs from a private pool; small tensors coalesced into shared buffers at the first sleep),
+    so a sleep returns memory to the driver fast; false leaves the caching allocator's own layout
+    (slower release, no tensor re-pointed). Same math either way."""
 
     def validate(self, key: str) -> None:
         _check_int(f"{key}.nnodes", self.nnodes, minimum=1)

@@ -47,7 +47,10 @@ class RankSession:
         self.runtime = DistillationRoleRuntime(self.engine, self.computer)
         from verl_dmd.runtime.offload import StateOffloader
 
-        self.offloader = StateOffloader(self.engine)
+        packing = plan.resources.offload_packing
+        self.offloader = StateOffloader(self.engine, pack=packing)
+        if not packing:
+            self.offloader.coalesce_below = 0
 
     def describe(self) -> dict[str, Any]:
         """What the driver needs to know about the model: its null class (if any), bytes per role."""
