@@ -2,10 +2,11 @@
 # The GPU benchmarks of docs/benchmarks.md in one place (one NVIDIA GPU, no ray).
 #   bash scripts/bench_gpu.sh offload OUTDIR   # sleep/wake: both layouts, default vs packing/coalescing off (~6 min on an H200)
 #   bash scripts/bench_gpu.sh phases OUTDIR    # DMD2 phases, compiled, kept gathered (~6 min on an H200)
+#   bash scripts/bench_gpu.sh check OUTDIR     # sleep/wake before every phase trains bit for bit alike (~1 min)
 # Each run writes its JSON (and the profile) into OUTDIR; the tables print to stdout.
 set -euo pipefail
-what="${1:?usage: bench_gpu.sh offload|phases OUTDIR}"
-out="${2:?usage: bench_gpu.sh offload|phases OUTDIR}"
+what="${1:?usage: bench_gpu.sh offload|phases|check OUTDIR}"
+out="${2:?usage: bench_gpu.sh offload|phases|check OUTDIR}"
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 py="${PYTHON:-python3}"
 mkdir -p "$out"
@@ -21,6 +22,13 @@ case "$what" in
     $off --layout shared_base_adapters --layers 48 --no-coalesce --json "$out/offload_shared_lora_uncoalesced.json"
     $off --layout shared_base_adapters --layers 48 --no-pack --no-coalesce --json "$out/offload_shared_lora_plain.json"
     ;;
+  check)
+    # Training with sleep/wake before every phase equals training without, bit for bit (~1 min).
+    for layout in shared_base_adapters independent; do
+      CUBLAS_WORKSPACE_CONFIG=:4096:8 $py "$here/check_sleep_training.py" --device cuda --layout $layout \
+        | tee "$out/check_sleep_training_$layout.txt"
+    done
+    ;;
   phases)
     ph="$py $here/bench_phases.py --repeats 2 --compile --keep-gathered"
     $ph --layouts shared_base_adapters --batch 8 --profile "$out" --json "$out/phases_shared_batch8.json"
@@ -28,7 +36,7 @@ case "$what" in
     $ph --layouts independent_full --batch 8 --json "$out/phases_independent_full_batch8.json"
     ;;
   *)
-    echo "bench_gpu.sh: unknown benchmark '$what' (offload or phases)" >&2
+    echo "bench_gpu.sh: unknown benchmark '$what' (offload, phases or check)" >&2
     exit 2
     ;;
 esac

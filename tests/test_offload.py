@@ -123,3 +123,32 @@ def test_resources_offload_packing_reaches_the_workers_offloader(tmp_path, packi
     (got,) = run_ranks(session_offload_settings, 1, tmp_path, "shared_base_adapters", packing)
     assert got["pack"] is packing
     assert (got["coalesce_below"] > 0) is packing and (got["moved"] > 0) is packing
+
+
+@pytest.mark.parametrize("layout", ["shared_base_adapters", "independent"])
+def test_gpu_check_script_passes_on_cpu(layout):
+    """scripts/check_sleep_training.py (the GPU check of bitwise training with sleep/wake before every
+    phase) runs on CPU too: three runs, coalescing included, equal bit for bit."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run(
+        [
+            sys.executable,
+            "scripts/check_sleep_training.py",
+            "--device",
+            "cpu",
+            "--layout",
+            layout,
+            "--phases",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        timeout=300,
+    )
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    assert "PASS" in result.stdout and " 0 left in place" in result.stdout, result.stdout
