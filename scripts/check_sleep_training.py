@@ -6,8 +6,8 @@ non-blocking transfers of the DMD2 computer's host-drawn noise) on a small
 SD3-shaped model with LoRA roles: three runs of the same DMD2 phases from the
 same seeds, (a) plain, (b) plain again, (c) with sleep/wake before every phase.
 (a) == (b) shows the run is deterministic on this device; (a) == (c) is the
-check. Attention runs on PyTorch's math kernel, and cuBLAS with a fixed
-workspace, so that (a) == (b) can hold.
+check. Attention runs on PyTorch's math kernel, cuDNN and cuBLAS in their
+deterministic modes, so that (a) == (b) can hold.
 
     CUBLAS_WORKSPACE_CONFIG=:4096:8 python scripts/check_sleep_training.py --device cuda
 
@@ -108,6 +108,8 @@ def main(argv=None) -> int:
         torch.backends.cuda.enable_flash_sdp(False)
         torch.backends.cuda.enable_mem_efficient_sdp(False)
         torch.backends.cuda.enable_cudnn_sdp(False)
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False  # the patch conv
+        torch.use_deterministic_algorithms(True, warn_only=True)
     dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1)
     plain, _ = run(args, device, sleep=False)
     again, _ = run(args, device, sleep=False)
