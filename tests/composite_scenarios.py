@@ -195,7 +195,9 @@ def coalesced(rank: int, world_size: int, layout: str, root: str) -> dict:
     storages_before = len(offloader._storages())
     before = describe_state(stack.engine, offloader)
     pairs_before = overlapping_pairs(offloader.state_tensors())
+    held = offloader.state_tensors()  # held across coalescing, as a caller (the benchmark) does
     moved = offloader.coalesce()
+    del held
     after = describe_state(stack.engine, offloader)
     pairs_after = overlapping_pairs(offloader.state_tensors())
     # storage-level fields change by design (offsets, storage sizes, which storage); the rest may not
@@ -277,3 +279,44 @@ def session_offload_settings(rank: int, world_size: int, layout: str, packing: b
         "coalesce_below": session.offloader.coalesce_below,
         "moved": moved,
     }
+
+
+def annotated_phases(rank: int, world_size: int, layout: str, trace: str) -> list[tuple[str, int]]:
+    """Three phases under torch.profiler (CPU): the runtime's named ranges, in order, from the exported
+    chrome trace (what scripts/trace_gaps.py reads)."""
+    import json
+
+    from torch.profiler import ProfilerActivity, profile
+
+    stack = Stack(rank, world_size, layout)
+    stack.run(1)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        stack.run(3)
+    prof.export_chrome_trace(trace)
+    with open(trace) as handle:
+        events = json.load(handle)["traceEvents"]
+    ranges = sorted((e["ts"], e["name"]) for e in events
+                    if e.get("cat") == "user_annotation" and e["name"].startswith("verl_dmd."))  # fmt: skip
+    return [name for _, name in ranges]
+
+
+def optimizer_step_path(rank: int, world_size: int, layout: str, local: bool) -> dict:
+    """Under warmup-cosine schedules (the lr changes every step): PHASES phases, then one moment tensor
+    of each optimizer replaced by a copy (as a load that makes new state objects would), PHASES more,
+    then every model moved to float64 and back (FSDP2 gives each parameter a new local tensor), PHASES
+    more; AdamW on the local shards (`local`) or on the DTensors."""
+    schedule = {f"optim.{role}.scheduler.{k}": v for role in ("student", "fake_score")
+                for k, v in (("name", "warmup_cosine"), ("warmup_steps", 2), ("decay_steps", 4))}  # fmt: skip
+    stack = Stack(rank, world_size, layout, **schedule)
+    stack.engine.local_optimizer_step = local
+    stack.run(PHASES)
+    for optimizer in stack.engine.optimizers.values():
+        state = optimizer.state[optimizer.param_groups[0]["params"][0]]
+        state["exp_avg"] = state["exp_avg"].clone()
+    stack.run(PHASES)
+    for model in stack.engine.models.values():
+        model.to(torch.float64)
+        model.to(torch.float32)
+    stack.run(PHASES)
+    counts = {role.value: dict(step.counts) for role, step in stack.engine._local_steps.items()}
+    return {"final": stack.snapshot(), "counts": counts}

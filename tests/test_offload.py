@@ -128,7 +128,8 @@ def test_resources_offload_packing_reaches_the_workers_offloader(tmp_path, packi
 @pytest.mark.parametrize("layout", ["shared_base_adapters", "independent"])
 def test_gpu_check_script_passes_on_cpu(layout):
     """scripts/check_sleep_training.py (the GPU check of bitwise training with sleep/wake before every
-    phase) runs on CPU too: three runs, coalescing included, equal bit for bit."""
+    phase, and of AdamW on the local shards vs on the DTensors) runs on CPU too: four runs, coalescing
+    included, equal bit for bit."""
     import subprocess
     import sys
     from pathlib import Path
@@ -152,3 +153,20 @@ def test_gpu_check_script_passes_on_cpu(layout):
     )
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     assert "PASS" in result.stdout and " 0 left in place" in result.stdout, result.stdout
+
+
+@pytest.mark.parametrize("layout", ["shared_base_adapters", "independent"])
+def test_adamw_on_local_shards_equals_the_dtensor_step(tmp_path, layout):
+    """2 gloo ranks, learning rates changing every step: AdamW stepped on the local shards (the default)
+    trains bit for bit like the optimizer's own step on the DTensors, including after a state tensor
+    was replaced and after the models' local tensors were swapped by `.to()` (a new shadow each time);
+    the first step of each role is the real one (AdamW makes its state there)."""
+    from composite_scenarios import optimizer_step_path
+
+    local = run_ranks(optimizer_step_path, 2, tmp_path / "a", layout, True)
+    dtensor = run_ranks(optimizer_step_path, 2, tmp_path / "b", layout, False)
+    for rank in (0, 1):
+        assert_equal_state(local[rank]["final"], dtensor[rank]["final"], f"rank {rank}")
+        for role, counts in local[rank]["counts"].items():
+            assert counts["real"] == 1 and counts["local"] >= 2 and counts["built"] == 3, (role, counts)
+        assert all(c == {"local": 0, "real": 0, "built": 0} for c in dtensor[rank]["counts"].values())

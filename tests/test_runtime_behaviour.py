@@ -203,6 +203,17 @@ def test_trap_adapter_added_after_sharding(results):
     assert per_rank[0] != per_rank[1]  # ranks would diverge
 
 
+def test_trap_parameter_replaced_after_sharding(results):
+    """verify_layout's kept tree (checked at every phase after the first) still sees a parameter object
+    replaced on a known module; putting the sharded one back passes again."""
+    got = scenario(results, "trap_parameter_replaced_after_shard")
+    assert got["refused"] and got["refused"].startswith("RuntimeError: parameter base."), got["refused"]
+    assert "after the engine sharded" in got["refused"]
+    assert got["again"] is None
+    assert got["root"] and "appeared after the engine sharded" in got["root"], got["root"]  # a new model
+    assert got["restored"] is None
+
+
 def test_trap_cpu_offload_without_pinned_memory_on_cpu(results):
     """Guard: CPUOffloadPolicy(pin_memory=False) unless on CUDA. With pinned memory the CPU-only
     machine fails to build the offloaded model."""
@@ -319,3 +330,19 @@ def test_mode_switch_sets_every_module_and_respects_train_overrides():
         assert {m.training for m in custom.modules()} == {mode}
     assert fake._module_cache["plain"][1] and not fake._module_cache["custom"][1]
     assert calls == [False, True, False]
+
+
+def test_phase_parts_are_named_in_a_profiler_trace(tmp_path):
+    """run_phase marks its parts with record_function, in order (scripts/trace_gaps.py charges the
+    device's idle time to them): setup, compute per micro-batch, grad norm and its read-back, step, EMA
+    (its range exists in every phase; it updates only after student steps), metrics."""
+    from composite_scenarios import annotated_phases
+
+    (names,) = run_ranks(
+        annotated_phases, 1, tmp_path / "ranks", "shared_base_adapters", str(tmp_path / "t.json")
+    )
+    phase = ["verl_dmd.setup", "verl_dmd.compute", "verl_dmd.grad_norm", "verl_dmd.step", "verl_dmd.ema",
+             "verl_dmd.metrics"]  # fmt: skip
+    merged = [name for i, name in enumerate(names) if i == 0 or names[i - 1] != name]  # micro-batches
+    assert merged == phase * 3, names
+    assert names.count("verl_dmd.compute") > 3  # this plan splits some phases into micro-batches

@@ -505,8 +505,10 @@ def trap_ema_swap_needs_reshard(rank, world):
 
 
 def trap_adapter_after_shard(rank, world):
-    """An adapter added after fully_shard is replicated and never synchronized."""
+    """An adapter added after fully_shard is replicated and never synchronized. A phase runs first, so
+    the check that catches it is the one of every later phase (verify_layout's kept module tree)."""
     _, adapter, engine, runtime = _setup()
+    runtime.run_phase(_request(Role.FAKE_SCORE), _batch(adapter, engine, rank, world))
     base = engine.models["base"]
     torch.manual_seed(0)
     base.add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=["to_q"]), adapter_name="late")
@@ -529,6 +531,26 @@ def trap_adapter_after_shard(rank, world):
         "late_are_dtensors": any(isinstance(p, DTensor) for p in late),
         "grads_per_rank": gathered,
     }
+
+
+def trap_parameter_replaced_after_shard(rank, world):
+    """A parameter object replaced on a sharded module after phases ran (a plain tensor now) is refused
+    at the next phase; the same module tree with the sharded parameter put back passes again."""
+    _, adapter, engine, runtime = _setup()
+    runtime.run_phase(_request(Role.FAKE_SCORE), _batch(adapter, engine, rank, world))
+    module = next(m for m in engine.models["base"].modules() if m._parameters)
+    name, sharded = next(iter(module._parameters.items()))
+    setattr(module, name, torch.nn.Parameter(sharded.detach().to_local().clone(), requires_grad=False))
+    refused = _error(
+        lambda: runtime.run_phase(_request(Role.FAKE_SCORE), _batch(adapter, engine, rank, world))
+    )
+    setattr(module, name, sharded)
+    again = _error(lambda: runtime.run_phase(_request(Role.FAKE_SCORE), _batch(adapter, engine, rank, world)))
+    base = engine.models["base"]
+    engine.models["base"] = torch.nn.Linear(2, 2)  # a whole model that is not the one sharded
+    root = _error(engine.verify_layout)
+    engine.models["base"] = base
+    return {"refused": refused, "again": again, "root": root, "restored": _error(engine.verify_layout)}
 
 
 def trap_cpu_offload_pin_memory(rank, world):
@@ -555,10 +577,18 @@ def trap_gradient_divide_factor_on_gloo(rank, world):
         metrics = runtime.run_phase(_request(Role.FAKE_SCORE), _batch(adapter, engine, rank, world))
         return {"norm": metrics["fake_score/grad_norm"], "weights": _weights(engine, Role.FAKE_SCORE)}
 
-    return {
+    result = {
         "guarded": _error(lambda: attempt(False)) or attempt(False),
         "unguarded": _error(lambda: attempt(True)) or attempt(True),
     }
+    # The failed phase leaves other PREMUL_SUM reduce-scatters of the same backward in flight; gloo's
+    # barrier first waits for every work in flight and raises their error (without meeting the other
+    # rank), so the next scenario's barrier failed now and then. A barrier that raised exchanged
+    # nothing: retried until one meets, every rank meets exactly once.
+    for _ in range(10):
+        if _error(dist.barrier) is None:
+            break
+    return result
 
 
 def trap_peft_state_dict_on_sharded_model(rank, world):
@@ -664,6 +694,7 @@ SCENARIOS = {
     "frozen_in_compute_dtype": frozen_in_compute_dtype,
     "trap_ema_swap_needs_reshard": trap_ema_swap_needs_reshard,
     "trap_adapter_after_shard": trap_adapter_after_shard,
+    "trap_parameter_replaced_after_shard": trap_parameter_replaced_after_shard,
     "trap_cpu_offload_pin_memory": trap_cpu_offload_pin_memory,
 }
 

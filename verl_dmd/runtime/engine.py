@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 from verl_dmd.adapters.base import DistributionMatchingModelAdapter, ModelSource
 from verl_dmd.phases import TRAINABLE_ROLES, Role
 from verl_dmd.plan import DistillationPlan, LoraSpec
-from verl_dmd.runtime.optim import build_adamw, build_scheduler
+from verl_dmd.runtime.optim import LocalShardStep, build_adamw, build_scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -165,6 +165,7 @@ class RoleEngine:
         self._modes: dict[str, bool] = {}  # model name -> the train/eval mode this engine last set
         self._tuner_layer_cache: list[nn.Module] | None = None
         self._fsdp_module_cache: list[FSDPModule] | None = None
+        self._layout_known: tuple[list[nn.Module], list[nn.Module], set[int]] | None = None  # verify_layout
         self._module_cache: dict[
             str, tuple[list[nn.Module], bool]
         ] = {}  # model name -> (modules, plain train)
@@ -208,6 +209,10 @@ class RoleEngine:
             role: build_scheduler(self.optimizers[role], getattr(plan.optim, role.value).scheduler)
             for role in TRAINABLE_ROLES
         }
+        # optimizer_step runs AdamW on the local shards (bitwise the same; see LocalShardStep). False: the
+        # optimizer's own step on the DTensors (kept for comparisons: scripts/check_sleep_training.py).
+        self.local_optimizer_step = True
+        self._local_steps = {role: LocalShardStep(self.optimizers[role]) for role in TRAINABLE_ROLES}
         self._apply_trainable()
         self._activate(None)
 
@@ -399,7 +404,42 @@ class RoleEngine:
 
         An adapter added after `fully_shard` is a plain replicated parameter whose
         gradients are never synchronized: ranks silently diverge (TRAPS).
+
+        Runs at every phase. Walking `named_parameters` costs ~3 ms of host time for the SD3 shape
+        (2,400 modules), and the GPU idles meanwhile at a phase start; so after a full walk has
+        passed, the modules it saw are kept, and later calls check only that no kept module has a
+        child module or a parameter that was not there (any new parameter reachable from a model
+        hangs below such a child or is such a parameter). Anything new sends the call back to the
+        full walk, which raises with the parameter's name, or passes and keeps the new tree; so does a
+        model that is not the one the walk saw.
         """
+        roots = list(self.models.values())
+        known = self._layout_known
+        if (
+            known is not None
+            and len(roots) == len(known[0])
+            and all(a is b for a, b in zip(roots, known[0], strict=True))
+            and self._layout_unchanged(known[1], known[2])
+        ):
+            return
+        self._verify_layout_walk()
+        modules = [m for model in roots for m in model.modules()]
+        self._layout_known = (roots, modules, {id(m) for m in modules})  # the lists keep the ids from reuse
+
+    def _layout_unchanged(self, modules: list[nn.Module], module_ids: set[int]) -> bool:
+        names, sharded = self.param_names, dist.is_initialized()
+        for module in modules:  # plain loops: this runs at every phase
+            for child in module._modules.values():
+                if child is not None and id(child) not in module_ids:
+                    return False
+            for param in module._parameters.values():
+                if param is not None and (
+                    id(param) not in names or (sharded and not isinstance(param, DTensor))
+                ):
+                    return False
+        return True
+
+    def _verify_layout_walk(self) -> None:
         sharded = dist.is_initialized()
         for model_name, model in self.models.items():
             for name, param in model.named_parameters():
@@ -568,6 +608,13 @@ class RoleEngine:
                 p.requires_grad_(False)
 
     # ------------------------------------------------------------------ gradients
+
+    def optimizer_step(self, role: Role) -> None:
+        """One AdamW step of `role` (on the local shards unless `local_optimizer_step` is False)."""
+        if self.local_optimizer_step:
+            self._local_steps[role].step()
+        else:
+            self.optimizers[role].step()
 
     def zero_grad(self, role: Role) -> None:
         self.optimizers[role].zero_grad(set_to_none=True)

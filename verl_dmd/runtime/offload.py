@@ -44,8 +44,6 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor
 
-from verl_dmd.runtime.engine import local_tensor
-
 _SMALL_BLOCK = 1 << 20
 """Bytes up to which torch's CUDA caching allocator serves a request from its 2 MB small-block segments."""
 
@@ -141,8 +139,10 @@ class StateOffloader:
         return objects
 
     def state_tensors(self) -> list[torch.Tensor]:
-        """Every tensor of the state, as local tensors (parameters, EMA, optimizer state)."""
-        return [local_tensor(t) for t in self._state_objects()]
+        """Every tensor of the state, as local tensors (parameters, EMA, optimizer state): the objects
+        that hold the storages, so holding this list does not keep `coalesce` from moving them (a
+        `to_local()` view would be a holder it does not know)."""
+        return [_inner(t) for t in self._state_objects()]
 
     def _storages(self) -> list[torch.UntypedStorage]:
         """The distinct device storages behind the state, cached while the set of state tensors is the same."""
@@ -151,7 +151,7 @@ class StateOffloader:
         key = tuple(map(id, objects))
         if self._cache is not None and self._cache[0] == key:
             return self._cache[1]
-        tensors = [t for t in map(local_tensor, objects) if t.device.type == kind]
+        tensors = [t for t in map(_inner, objects) if t.device.type == kind]
         seen: dict[int, torch.UntypedStorage] = {}
         for tensor in tensors:
             storage = tensor.untyped_storage()

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.profiler import record_function
 
 from verl_dmd.phases import LossNormalizerTracker, PhaseComputer, PhaseOutput, PhaseRequest, Role
 from verl_dmd.runtime.engine import RoleEngine
@@ -96,44 +97,48 @@ class DistillationRoleRuntime:
         engine = self.engine
         batch_spec = getattr(self.plan.batch, role.value)
         device = engine.device
-        batch = {
-            k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()
-        }
-        micro_batches = split_batch(batch, batch_spec.accumulation_steps)
-        tracker = LossNormalizerTracker(len(micro_batches))
-        optim_spec = getattr(self.plan.optim, role.value)
-        # Sums stay on the device: reading a value back (.item()) waits for the GPU, and each wait
-        # leaves it idle until the host queues the next kernels. A phase reads back three times (twice
-        # on one rank).
-        metric_sums: dict[str, Any] = {}
-        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-
-        engine.verify_layout()
-        engine.zero_grad(role)
+        # The record_function ranges name the parts of a phase in a torch.profiler trace
+        # (scripts/trace_gaps.py charges the device's idle time to them); a few us each otherwise.
+        with record_function("verl_dmd.setup"):
+            batch = {
+                k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+                for k, v in batch.items()
+            }
+            micro_batches = split_batch(batch, batch_spec.accumulation_steps)
+            tracker = LossNormalizerTracker(len(micro_batches))
+            optim_spec = getattr(self.plan.optim, role.value)
+            # Sums stay on the device: reading a value back (.item()) waits for the GPU, and each wait
+            # leaves it idle until the host queues the next kernels. A phase reads back three times
+            # (twice on one rank).
+            metric_sums: dict[str, Any] = {}
+            loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+            engine.verify_layout()
+            engine.zero_grad(role)
         with engine.trainable(role), engine.use_role(role):
             for index, micro_batch in enumerate(micro_batches):
-                # Reduce-scatter only on the last micro-batch (TRAPS: set_requires_gradient_sync).
-                engine.set_gradient_sync(index == len(micro_batches) - 1)
-                output = self.computer.compute_phase(
-                    request,
-                    micro_batch,
-                    self,
-                    micro_batch_index=index,
-                    num_micro_batches=len(micro_batches),
-                )
-                if not isinstance(output, PhaseOutput):
-                    raise TypeError(
-                        f"compute_phase returned {type(output).__name__}: must return a PhaseOutput"
+                with record_function("verl_dmd.compute"):
+                    # Reduce-scatter only on the last micro-batch (TRAPS: set_requires_gradient_sync).
+                    engine.set_gradient_sync(index == len(micro_batches) - 1)
+                    output = self.computer.compute_phase(
+                        request,
+                        micro_batch,
+                        self,
+                        micro_batch_index=index,
+                        num_micro_batches=len(micro_batches),
                     )
-                weight = tracker.loss_weight(output.loss_normalizer)
-                # float32, then float64, summed in float64: what float(loss) summed in Python gives.
-                loss_sum = loss_sum + output.loss.detach().float().to(device, torch.float64)
-                for key, value in output.metrics.items():
-                    if isinstance(value, torch.Tensor):  # summed in float64 like the python floats
-                        value = value.to(device, torch.float64)
-                    metric_sums[key] = metric_sums.get(key, 0.0) + value
-                if output.loss.requires_grad:
-                    (output.loss * weight).backward()
+                    if not isinstance(output, PhaseOutput):
+                        raise TypeError(
+                            f"compute_phase returned {type(output).__name__}: must return a PhaseOutput"
+                        )
+                    weight = tracker.loss_weight(output.loss_normalizer)
+                    # float32, then float64, summed in float64: what float(loss) summed in Python gives.
+                    loss_sum = loss_sum + output.loss.detach().float().to(device, torch.float64)
+                    for key, value in output.metrics.items():
+                        if isinstance(value, torch.Tensor):  # summed in float64 like the python floats
+                            value = value.to(device, torch.float64)
+                        metric_sums[key] = metric_sums.get(key, 0.0) + value
+                    if output.loss.requires_grad:
+                        (output.loss * weight).backward()
             engine.set_gradient_sync(True)
             engine.check_gradient_isolation(role)
             params = engine.params[role]
@@ -149,62 +154,67 @@ class DistillationRoleRuntime:
                         if p.grad is not None:
                             p.grad.div_(divisor)
 
-            norm = _total_grad_norm(params, device, self.group)
-            # One collective tells every rank which ranks saw a non-finite loss (a non-finite term makes
-            # the sum non-finite); the norm is global already. Both are read back in one wait.
-            flags = torch.zeros(self.world_size, dtype=torch.float64, device=device)
-            flags[self.rank] = (~torch.isfinite(loss_sum)).to(torch.float64)
-            *flag_values, grad_norm = torch.cat([self._all_reduce(flags), norm.reshape(1)]).tolist()
-            bad_ranks = [r for r, flag in enumerate(flag_values) if flag > 0]
-            skipped_reason = None
-            if bad_ranks:
-                skipped_reason = f"non-finite loss on rank(s) {bad_ranks}"
-            elif not math.isfinite(grad_norm):
-                skipped_reason = f"non-finite gradient norm ({grad_norm})"
+            with record_function("verl_dmd.grad_norm"):
+                norm = _total_grad_norm(params, device, self.group)
+                # One collective tells every rank which ranks saw a non-finite loss (a non-finite term makes
+                # the sum non-finite); the norm is global already. Both are read back in one wait.
+                flags = torch.zeros(self.world_size, dtype=torch.float64, device=device)
+                flags[self.rank] = (~torch.isfinite(loss_sum)).to(torch.float64)
+                *flag_values, grad_norm = torch.cat([self._all_reduce(flags), norm.reshape(1)]).tolist()
+                bad_ranks = [r for r, flag in enumerate(flag_values) if flag > 0]
+                skipped_reason = None
+                if bad_ranks:
+                    skipped_reason = f"non-finite loss on rank(s) {bad_ranks}"
+                elif not math.isfinite(grad_norm):
+                    skipped_reason = f"non-finite gradient norm ({grad_norm})"
 
-            if skipped_reason is None:
-                if optim_spec.grad_clip > 0 and grad_norm > optim_spec.grad_clip:
-                    scale = optim_spec.grad_clip / (grad_norm + 1e-6)
-                    with torch.no_grad():
-                        for p in params:
-                            if p.grad is not None:
-                                p.grad.mul_(scale)
-                engine.optimizers[role].step()
-                engine.schedulers[role].step()
-            engine.zero_grad(role)
-        if skipped_reason is None and role is Role.STUDENT:
-            engine.update_ema(request.global_step + 1)
+            with record_function("verl_dmd.step"):
+                if skipped_reason is None:
+                    if optim_spec.grad_clip > 0 and grad_norm > optim_spec.grad_clip:
+                        scale = optim_spec.grad_clip / (grad_norm + 1e-6)
+                        with torch.no_grad():
+                            for p in params:
+                                if p.grad is not None:
+                                    p.grad.mul_(scale)
+                    engine.optimizer_step(role)
+                    engine.schedulers[role].step()
+                engine.zero_grad(role)
+        with record_function("verl_dmd.ema"):
+            if skipped_reason is None and role is Role.STUDENT:
+                engine.update_ema(request.global_step + 1)
 
-        # Metrics are averaged by position, so every rank must report the same keys in the same
-        # order. A fixed-size reduce of (key count, CRC of the keys) checks that first: reducing
-        # tensors of different lengths would hang. Every rank sees the same sums and raises alike.
-        # One rank cannot disagree with itself: no check, and one wait for the device less.
-        key_crc = float(zlib.crc32("\n".join(metric_sums).encode()))
-        if self.world_size > 1 and self._all_reduce(
-            torch.tensor([len(metric_sums), key_crc], dtype=torch.float64, device=device)
-        ).tolist() != [len(metric_sums) * self.world_size, key_crc * self.world_size]:
-            raise RuntimeError(
-                f"ranks reported different metric keys in a {role.value} phase (rank {self.rank}: "
-                f"{sorted(metric_sums)}); a phase computer must return the same metrics on every rank"
-            )
-        values = [loss_sum / len(micro_batches), *metric_sums.values()]
-        stacked = torch.stack([
-            v.to(device, torch.float64).reshape(()) if isinstance(v, torch.Tensor)
-            else torch.full((), float(v), dtype=torch.float64, device=device)  # a fill, not a host copy
-            for v in values
-        ])  # fmt: skip
-        mean = (self._all_reduce(stacked) / self.world_size).tolist()
-        metrics = {
-            f"{role.value}/{k}": v / len(micro_batches) for k, v in zip(metric_sums, mean[1:], strict=True)
-        }
-        metrics.update(
-            {
-                f"{role.value}/loss": mean[0],
-                f"{role.value}/grad_norm": grad_norm,
-                f"{role.value}/lr": engine.optimizers[role].param_groups[0]["lr"],
-                "stepped": skipped_reason is None,
-                "skipped_reason": skipped_reason,
-                "phase_seconds": time.perf_counter() - started,
+        with record_function("verl_dmd.metrics"):
+            # Metrics are averaged by position, so every rank must report the same keys in the same
+            # order. A fixed-size reduce of (key count, CRC of the keys) checks that first: reducing
+            # tensors of different lengths would hang. Every rank sees the same sums and raises alike.
+            # One rank cannot disagree with itself: no check, and one wait for the device less.
+            key_crc = float(zlib.crc32("\n".join(metric_sums).encode()))
+            if self.world_size > 1 and self._all_reduce(
+                torch.tensor([len(metric_sums), key_crc], dtype=torch.float64, device=device)
+            ).tolist() != [len(metric_sums) * self.world_size, key_crc * self.world_size]:
+                raise RuntimeError(
+                    f"ranks reported different metric keys in a {role.value} phase (rank {self.rank}: "
+                    f"{sorted(metric_sums)}); a phase computer must return the same metrics on every rank"
+                )
+            values = [loss_sum / len(micro_batches), *metric_sums.values()]
+            stacked = torch.stack([
+                v.to(device, torch.float64).reshape(()) if isinstance(v, torch.Tensor)
+                else torch.full((), float(v), dtype=torch.float64, device=device)  # a fill, not a host copy
+                for v in values
+            ])  # fmt: skip
+            mean = (self._all_reduce(stacked) / self.world_size).tolist()
+            metrics = {
+                f"{role.value}/{k}": v / len(micro_batches)
+                for k, v in zip(metric_sums, mean[1:], strict=True)
             }
-        )
+            metrics.update(
+                {
+                    f"{role.value}/loss": mean[0],
+                    f"{role.value}/grad_norm": grad_norm,
+                    f"{role.value}/lr": engine.optimizers[role].param_groups[0]["lr"],
+                    "stepped": skipped_reason is None,
+                    "skipped_reason": skipped_reason,
+                    "phase_seconds": time.perf_counter() - started,
+                }
+            )
         return metrics
