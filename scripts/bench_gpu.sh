@@ -3,10 +3,12 @@
 #   bash scripts/bench_gpu.sh offload OUTDIR   # sleep/wake: both layouts, default vs packing/coalescing off (~6 min on an H200)
 #   bash scripts/bench_gpu.sh phases OUTDIR    # DMD2 phases, compiled, kept gathered (~6 min on an H200)
 #   bash scripts/bench_gpu.sh check OUTDIR     # sleep/wake before every phase trains bit for bit alike (~1 min)
-# Each run writes its JSON (and the profile) into OUTDIR; the tables print to stdout.
+#   bash scripts/bench_gpu.sh attention OUTDIR # the shared layout at batch 8 with each attention kernel (~7 min)
+# Each run writes its JSON (and the profile) into OUTDIR; the tables print to stdout. The JSONs name the
+# code ("code"): from git, or from VERL_DMD_COMMIT=<commit> where the copy has no .git (the lent machine).
 set -euo pipefail
-what="${1:?usage: bench_gpu.sh offload|phases|check OUTDIR}"
-out="${2:?usage: bench_gpu.sh offload|phases|check OUTDIR}"
+what="${1:?usage: bench_gpu.sh offload|phases|check|attention OUTDIR}"
+out="${2:?usage: bench_gpu.sh offload|phases|check|attention OUTDIR}"
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 py="${PYTHON:-python3}"
 mkdir -p "$out"
@@ -35,8 +37,14 @@ case "$what" in
     $ph --layouts shared_base_adapters --batch 16 --json "$out/phases_shared_batch16.json"
     $ph --layouts independent_full --batch 8 --json "$out/phases_independent_full_batch8.json"
     ;;
+  attention)
+    for backend in cudnn flash efficient; do
+      $py "$here/bench_phases.py" --repeats 2 --compile --keep-gathered --layouts shared_base_adapters --batch 8 \
+        --sdpa-backend $backend --json "$out/phases_shared_batch8_$backend.json"
+    done
+    ;;
   *)
-    echo "bench_gpu.sh: unknown benchmark '$what' (offload, phases or check)" >&2
+    echo "bench_gpu.sh: unknown benchmark '$what' (offload, phases, check or attention)" >&2
     exit 2
     ;;
 esac

@@ -19,8 +19,11 @@ smoke run; the numbers mean nothing there). docs/benchmarks.md has the results.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,6 +34,22 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 GB = 1e9
+
+
+def code_version() -> str:
+    """The code a result comes from, for its JSON: $VERL_DMD_COMMIT (a copy without .git, as on the
+    lent GPU machine), else git's short commit (+"-dirty" with uncommitted changes), else "unknown"."""
+    if os.environ.get("VERL_DMD_COMMIT"):
+        return os.environ["VERL_DMD_COMMIT"]
+    root = Path(__file__).resolve().parents[1]
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                                text=True, check=True).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return commit + ("-dirty" if dirty else "")
 
 
 def sd3_config(layers: int, hidden: int) -> dict:
@@ -163,6 +182,7 @@ def main(argv=None) -> int:
     result = {
         "device": torch.cuda.get_device_name(device) if cuda else "cpu",
         "torch": torch.__version__,
+        "code": code_version(),
         "layout": args.layout,
         "release": release,
         "layers": args.layers,
@@ -234,6 +254,8 @@ def main(argv=None) -> int:
             print("WARNING: the steady rounds reserve more device memory than before the first sleep")
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
+    offloader = engine = probe = None  # read by the closures above; dropped here for the collection
+    gc.collect()  # the model's reference cycles hold the group: collected before it goes (architecture.md)
     dist.destroy_process_group()
     return 0
 

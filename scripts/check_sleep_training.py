@@ -3,10 +3,11 @@
 The CPU tests check this on 2 gloo ranks; this script checks the GPU-only paths
 (pinned host buffer, packed wake from a private memory pool in runs, coalescing,
 non-blocking transfers of the DMD2 computer's host-drawn noise) on a small
-SD3-shaped model with LoRA roles: three runs of the same DMD2 phases from the
-same seeds, (a) plain, (b) plain again, (c) with sleep/wake before every phase.
-(a) == (b) shows the run is deterministic on this device; (a) == (c) is the
-check. Attention runs on PyTorch's math kernel, cuDNN and cuBLAS in their
+SD3-shaped model with LoRA roles: four runs of the same DMD2 phases from the
+same seeds, (a) plain, (b) plain again, (c) with sleep/wake before every phase,
+(d) plain with AdamW stepped on the DTensors instead of their local shards
+(`RoleEngine.local_optimizer_step = False`). (a) == (b) shows the run is
+deterministic on this device; (a) == (c) and (a) == (d) are the checks. Attention runs on PyTorch's math kernel, cuDNN and cuBLAS in their
 deterministic modes, so that (a) == (b) can hold.
 
     CUBLAS_WORKSPACE_CONFIG=:4096:8 python scripts/check_sleep_training.py --device cuda
@@ -18,6 +19,7 @@ matches, 1 otherwise (the first mismatches are printed).
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 from pathlib import Path
@@ -36,7 +38,9 @@ def sd3_config(layers: int, hidden: int) -> dict:
     }  # fmt: skip
 
 
-def run(args, device: torch.device, sleep: bool) -> tuple[dict[str, torch.Tensor], dict]:
+def run(
+    args, device: torch.device, sleep: bool, local_step: bool = True
+) -> tuple[dict[str, torch.Tensor], dict]:
     from verl_dmd.adapters import get_adapter
     from verl_dmd.checkpoint.engine_state import engine_state
     from verl_dmd.controller import DistillationController
@@ -59,6 +63,7 @@ def run(args, device: torch.device, sleep: bool) -> tuple[dict[str, torch.Tensor
     })  # fmt: skip
     adapter = get_adapter("sd3")()
     engine = RoleEngine(plan, adapter, device=device)
+    engine.local_optimizer_step = local_step
     computer = adapter.build_distribution_matching_computer(plan.model, plan, rank=0)
     runtime = DistillationRoleRuntime(engine, computer)
     offloader = StateOffloader(engine)
@@ -104,6 +109,8 @@ def main(argv=None) -> int:
         if not torch.cuda.is_available():
             parser.error("--device cuda: torch sees no GPU")
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        if device.index is None:  # "cuda": the current device, named by index (set_device needs one)
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
         torch.backends.cuda.enable_flash_sdp(False)
         torch.backends.cuda.enable_mem_efficient_sdp(False)
@@ -114,12 +121,18 @@ def main(argv=None) -> int:
     plain, _ = run(args, device, sleep=False)
     again, _ = run(args, device, sleep=False)
     slept, info = run(args, device, sleep=True)
+    dtensor_step, _ = run(args, device, sleep=False, local_step=False)
+    gc.collect()  # the models' reference cycles hold the group: collected before it goes (architecture.md)
     dist.destroy_process_group()
 
     def differing(other: dict[str, torch.Tensor]) -> list[str]:
         return [k for k in plain if not torch.equal(plain[k], other[k])]
 
-    nondeterministic, mismatched = differing(again), differing(slept)
+    nondeterministic, mismatched, step_mismatched = (
+        differing(again),
+        differing(slept),
+        differing(dtensor_step),
+    )
     print(f"{len(plain)} state tensors on {device}; {info['storages']} storages moved per sleep; "
           f"{info['coalesced_storages']} coalesced over the run, {info['coalesce_rejected']} left in place")  # fmt: skip
     if nondeterministic:
@@ -129,7 +142,12 @@ def main(argv=None) -> int:
     if mismatched:
         print(f"FAIL: sleep/wake before every phase changed {len(mismatched)} tensors, e.g. {mismatched[:3]}")
         return 1
-    print(f"PASS: {args.phases} phases with sleep/wake before each equal the plain run bit for bit")
+    if step_mismatched:
+        print(f"FAIL: AdamW on the DTensors differs from AdamW on their local shards in {len(step_mismatched)} "
+              f"tensors, e.g. {step_mismatched[:3]}")  # fmt: skip
+        return 1
+    print(f"PASS: {args.phases} phases with sleep/wake before each, and with AdamW on the DTensors, equal "
+          "the plain run bit for bit")  # fmt: skip
     return 0
 
 

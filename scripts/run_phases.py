@@ -13,6 +13,7 @@ per phase and a summary with parameter bytes per rank.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -90,6 +91,15 @@ def main(argv=None) -> int:
     except PlanError as err:
         print(f"run_phases: error: {err}", file=sys.stderr)
         return 2
+    run(args, plan, rank, world)
+    # The models sit in reference cycles and hold the group through their device mesh: collected before
+    # the group is destroyed, or their late destruction can abort a rank (docs/architecture.md).
+    gc.collect()
+    dist.destroy_process_group()
+    return 0
+
+
+def run(args, plan: DistillationPlan, rank: int, world: int) -> None:
     adapter = get_adapter(args.family)()
     started = time.perf_counter()
     engine = RoleEngine(plan, adapter, device=args.device)
@@ -120,8 +130,6 @@ def main(argv=None) -> int:
     if rank == 0:
         print(f"run_phases: done; {controller!r}")
         print(f"run_phases: parameter bytes on rank 0: {engine.parameter_bytes()}")
-    dist.destroy_process_group()
-    return 0
 
 
 if __name__ == "__main__":
