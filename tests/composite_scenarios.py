@@ -300,6 +300,49 @@ def annotated_phases(rank: int, world_size: int, layout: str, trace: str) -> lis
     return [name for _, name in ranges]
 
 
+def optimizer_step_guards(rank: int, world_size: int, layout: str) -> dict:
+    """AdamW on the local shards next to things it must not bypass or keep: PHASES phases; a wrapper put
+    on the student optimizer's `step` (after the LR scheduler's) must see every student step, PHASES
+    phases; the wrapper removed, PHASES phases (local steps again); then a moment of each optimizer
+    replaced by a copy (as a load that makes new state objects would) and a sleep/wake: the replaced
+    tensors must be gone (the offloader drops the shadows that held them)."""
+    import gc
+    import weakref
+
+    from verl_dmd.runtime.offload import StateOffloader
+
+    stack = Stack(rank, world_size, layout)
+    offloader = StateOffloader(stack.engine)
+    steps = stack.engine._local_steps
+    stack.run(PHASES)
+    student = stack.engine.optimizers[Role.STUDENT]
+    scheduler_step = student.step
+    calls = [0]
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return scheduler_step(*args, **kwargs)
+
+    student.step = counted
+    before = dict(steps[Role.STUDENT].counts)
+    stack.run(PHASES)
+    wrapped = {k: steps[Role.STUDENT].counts[k] - before[k] for k in before}
+    student.step = scheduler_step
+    before = dict(steps[Role.STUDENT].counts)
+    stack.run(PHASES)
+    unwrapped = {k: steps[Role.STUDENT].counts[k] - before[k] for k in before}
+    replaced = []
+    for optimizer in stack.engine.optimizers.values():
+        state = optimizer.state[optimizer.param_groups[0]["params"][0]]
+        replaced.append(weakref.ref(state["exp_avg"]._local_tensor))
+        state["exp_avg"] = state["exp_avg"].clone()
+    offloader.sleep()
+    offloader.wake()
+    gc.collect()
+    return {"calls": calls[0], "wrapped": wrapped, "unwrapped": unwrapped,
+            "replaced_alive": sum(ref() is not None for ref in replaced)}  # fmt: skip
+
+
 def optimizer_step_path(rank: int, world_size: int, layout: str, local: bool) -> dict:
     """Under warmup-cosine schedules (the lr changes every step): PHASES phases, then one moment tensor
     of each optimizer replaced by a copy (as a load that makes new state objects would), PHASES more,

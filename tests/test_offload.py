@@ -170,3 +170,16 @@ def test_adamw_on_local_shards_equals_the_dtensor_step(tmp_path, layout):
         for role, counts in local[rank]["counts"].items():
             assert counts["real"] == 1 and counts["local"] >= 2 and counts["built"] == 3, (role, counts)
         assert all(c == {"local": 0, "real": 0, "built": 0} for c in dtensor[rank]["counts"].values())
+
+
+def test_local_adamw_step_leaves_step_wrappers_and_replaced_state_alone(tmp_path):
+    """A wrapper put on `optimizer.step` (other than the LR scheduler's) sees every step: the real step
+    runs while it is there, the local one again once it is gone; a moment replaced by a load-like copy
+    is freed by the next sleep, not kept on the device by a stale shadow."""
+    from composite_scenarios import optimizer_step_guards
+
+    for rank, result in enumerate(run_ranks(optimizer_step_guards, 2, tmp_path, "shared_base_adapters")):
+        wrapped, unwrapped = result["wrapped"], result["unwrapped"]
+        assert result["calls"] == wrapped["real"] > 0 and wrapped["local"] == 0, (rank, result)
+        assert unwrapped["local"] > 0 and unwrapped["real"] == 0, (rank, result)
+        assert result["replaced_alive"] == 0, (rank, result)

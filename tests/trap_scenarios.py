@@ -550,7 +550,17 @@ def trap_parameter_replaced_after_shard(rank, world):
     engine.models["base"] = torch.nn.Linear(2, 2)  # a whole model that is not the one sharded
     root = _error(engine.verify_layout)
     engine.models["base"] = base
-    return {"refused": refused, "again": again, "root": root, "restored": _error(engine.verify_layout)}
+    restored = _error(engine.verify_layout)
+    # a child module removed: not an error, but the kept tree must let it go (a full walk forgets it)
+    parent = next(m for m in base.modules() if m._modules)
+    child_name, child = next(iter(parent._modules.items()))
+    del parent._modules[child_name]
+    removed = _error(engine.verify_layout)
+    forgotten = id(child) not in engine._layout_known[2]
+    parent._modules[child_name] = child
+    back = _error(engine.verify_layout)
+    return {"refused": refused, "again": again, "root": root, "restored": restored, "removed": removed,
+            "forgotten": forgotten, "back": back}  # fmt: skip
 
 
 def trap_cpu_offload_pin_memory(rank, world):

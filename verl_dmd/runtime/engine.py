@@ -165,7 +165,8 @@ class RoleEngine:
         self._modes: dict[str, bool] = {}  # model name -> the train/eval mode this engine last set
         self._tuner_layer_cache: list[nn.Module] | None = None
         self._fsdp_module_cache: list[FSDPModule] | None = None
-        self._layout_known: tuple[list[nn.Module], list[nn.Module], set[int]] | None = None  # verify_layout
+        # verify_layout's kept tree: roots, modules, their ids, the number of child links among them
+        self._layout_known: tuple[list[nn.Module], list[nn.Module], set[int], int] | None = None
         self._module_cache: dict[
             str, tuple[list[nn.Module], bool]
         ] = {}  # model name -> (modules, plain train)
@@ -411,7 +412,8 @@ class RoleEngine:
         child module or a parameter that was not there (any new parameter reachable from a model
         hangs below such a child or is such a parameter). Anything new sends the call back to the
         full walk, which raises with the parameter's name, or passes and keeps the new tree; so does a
-        model that is not the one the walk saw.
+        model that is not the one the walk saw, and a child module removed (the count of child links
+        drops: the kept list must not hold the removed module's parameters on the device).
         """
         roots = list(self.models.values())
         known = self._layout_known
@@ -419,25 +421,31 @@ class RoleEngine:
             known is not None
             and len(roots) == len(known[0])
             and all(a is b for a, b in zip(roots, known[0], strict=True))
-            and self._layout_unchanged(known[1], known[2])
+            and self._layout_unchanged(known[1], known[2]) == known[3]
         ):
             return
         self._verify_layout_walk()
         modules = [m for model in roots for m in model.modules()]
-        self._layout_known = (roots, modules, {id(m) for m in modules})  # the lists keep the ids from reuse
+        module_ids = {id(m) for m in modules}
+        links = self._layout_unchanged(modules, module_ids)
+        self._layout_known = (roots, modules, module_ids, links)  # the lists keep the ids from reuse
 
-    def _layout_unchanged(self, modules: list[nn.Module], module_ids: set[int]) -> bool:
+    def _layout_unchanged(self, modules: list[nn.Module], module_ids: set[int]) -> int:
+        """The number of child links among `modules`; -1 when one has a new child or a new parameter."""
         names, sharded = self.param_names, dist.is_initialized()
+        links = 0
         for module in modules:  # plain loops: this runs at every phase
             for child in module._modules.values():
-                if child is not None and id(child) not in module_ids:
-                    return False
+                if child is not None:
+                    if id(child) not in module_ids:
+                        return -1
+                    links += 1
             for param in module._parameters.values():
                 if param is not None and (
                     id(param) not in names or (sharded and not isinstance(param, DTensor))
                 ):
-                    return False
-        return True
+                    return -1
+        return links
 
     def _verify_layout_walk(self) -> None:
         sharded = dist.is_initialized()
@@ -612,9 +620,17 @@ class RoleEngine:
     def optimizer_step(self, role: Role) -> None:
         """One AdamW step of `role` (on the local shards unless `local_optimizer_step` is False)."""
         if self.local_optimizer_step:
-            self._local_steps[role].step()
+            step = self._local_steps[role]
+            if step.optimizer is not self.optimizers[role]:  # the role's optimizer was replaced
+                step = self._local_steps[role] = LocalShardStep(self.optimizers[role])
+            step.step()
         else:
             self.optimizers[role].step()
+
+    def forget_step_shadows(self) -> None:
+        """Drop the local-shard optimizer shadows (rebuilt at the next step; see LocalShardStep.forget)."""
+        for step in self._local_steps.values():
+            step.forget()
 
     def zero_grad(self, role: Role) -> None:
         self.optimizers[role].zero_grad(set_to_none=True)

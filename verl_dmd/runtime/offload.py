@@ -337,6 +337,7 @@ class StateOffloader:
         engine.reshard()
         for role in engine.optimizers:
             engine.zero_grad(role)
+        engine.forget_step_shadows()  # a stale shadow could hold replaced state tensors on the device
         coalesced, rejected = 0, 0
         if self.coalesce_below and self._storages() is not self._coalesced_for:
             coalesced, rejected = self.coalesce(), self.last_coalesce["rejected"]

@@ -60,10 +60,13 @@ class LocalShardStep:
     optimizer's (the moments' local tensors and the very `step` counters), so the real optimizer, its
     checkpoints and its schedulers see every update. The real `step()` runs instead whenever the shadow
     would not mirror it exactly: a parameter that is not a DTensor or has no state yet (AdamW makes it at
-    the first step), a gradient that is not a DTensor placed like its parameter, step hooks, or a
-    differentiable, fused or capturable optimizer. A new shadow is built when any object it mirrors
-    changed: a parameter, its local tensor (`module.to(...)` swaps them), a state tensor or its local
-    tensor (a load that replaced them).
+    the first step), a gradient or moment that is not a DTensor placed and shaped like its parameter,
+    step hooks, a `step` replaced on the optimizer object (a wrapper other than the LR scheduler's, which
+    only marks the step as called), or a differentiable, fused or capturable optimizer (defaults or any
+    group). A new shadow is built when any object it mirrors changed: a parameter, its local tensor
+    (`module.to(...)` swaps them), a state tensor or its local tensor (a load that replaced them).
+    `forget()` drops the shadow (the offloader calls it at sleep: a shadow built before a load would
+    otherwise keep the replaced tensors alive on the device).
     """
 
     STATE_KEYS = frozenset({"step", "exp_avg", "exp_avg_sq"})
@@ -81,8 +84,10 @@ class LocalShardStep:
         from torch.optim import optimizer as optimizer_module
 
         optimizer = self.optimizer
-        if any(optimizer.defaults.get(k) for k in ("differentiable", "fused", "capturable")) or (
-            optimizer._optimizer_step_pre_hooks
+        flags = ("differentiable", "fused", "capturable")
+        if any(group.get(k) for group in (optimizer.defaults, *optimizer.param_groups) for k in flags) or (
+            self._step_wrapped()
+            or optimizer._optimizer_step_pre_hooks
             or optimizer._optimizer_step_post_hooks
             or getattr(optimizer_module, "_global_optimizer_pre_hooks", None)
             or getattr(optimizer_module, "_global_optimizer_post_hooks", None)
@@ -98,11 +103,31 @@ class LocalShardStep:
                 if grad is not None and (not isinstance(grad, DTensor) or grad.placements != p.placements):
                     return None
                 exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-                if not isinstance(exp_avg, DTensor) or not isinstance(exp_avg_sq, DTensor):
-                    return None
+                for moment in (exp_avg, exp_avg_sq):
+                    if (
+                        not isinstance(moment, DTensor)
+                        or moment.placements != p.placements
+                        or moment._local_tensor.shape != p._local_tensor.shape
+                    ):
+                        return None
                 objects += [p, p._local_tensor, state["step"], exp_avg, exp_avg._local_tensor, exp_avg_sq,
                             exp_avg_sq._local_tensor]  # fmt: skip
         return objects
+
+    def _step_wrapped(self) -> bool:
+        """True when something replaced `step` on the optimizer object (not the LR scheduler's marker)."""
+        step = self.optimizer.__dict__.get("step")
+        if step is None:
+            return False
+        # LRScheduler wraps the class's step once to set `_opt_called` (which `step()` below sets too)
+        return not (
+            getattr(step, "_wrapped_by_lr_sched", False)
+            and getattr(step, "__wrapped__", None) is type(self.optimizer).step
+        )
+
+    def forget(self) -> None:
+        """Drop the shadow and what it holds; the next local step builds a new one."""
+        self._shadow, self._mirrored, self._locals = None, [], []
 
     def _build(self, objects: list[object]) -> None:
         optimizer = self.optimizer
@@ -135,14 +160,14 @@ class LocalShardStep:
             self.counts["built"] += 1
         self.counts["local"] += 1
         shadow = self._shadow
-        for group, shadow_group, local in zip(self.optimizer.param_groups, shadow.param_groups, self._locals,
-                                              strict=True):  # fmt: skip
+        for group, shadow_group in zip(self.optimizer.param_groups, shadow.param_groups, strict=True):
             for name, value in group.items():  # the schedulers change lr on the real groups
                 if name != "params":
                     shadow_group[name] = value
-            for p, lp in zip(group["params"], local, strict=True):
-                lp.grad = None if p.grad is None else p.grad._local_tensor
         try:
+            for group, local in zip(self.optimizer.param_groups, self._locals, strict=True):
+                for p, lp in zip(group["params"], local, strict=True):
+                    lp.grad = None if p.grad is None else p.grad._local_tensor
             shadow.step()
         finally:
             for local in self._locals:
