@@ -33,7 +33,7 @@ case "$what" in
     ;;
   phases)
     ph="$py $here/bench_phases.py --repeats 2 --compile --keep-gathered"
-    $ph --layouts shared_base_adapters --batch 8 --profile "$out" --json "$out/phases_shared_batch8.json"
+    $ph --layouts shared_base_adapters --batch 8 --profile "$out" --trace-device "$out" --json "$out/phases_shared_batch8.json"
     $ph --layouts shared_base_adapters --batch 16 --json "$out/phases_shared_batch16.json"
     $ph --layouts independent_full --batch 8 --json "$out/phases_independent_full_batch8.json"
     ;;

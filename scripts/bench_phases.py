@@ -127,6 +127,29 @@ def profile_cycle(run, out: Path, name: str) -> str:
     return gaps
 
 
+def trace_device_cycle(run, out: Path, name: str) -> tuple[float, str]:
+    """Run `run()` under torch.profiler recording device activity alone (kernels, copies and the CUDA
+    runtime calls; no operators, so the host runs at about its unprofiled speed); write the trace
+    (`trace_device_<name>.json.gz`) and its gaps (`gaps_device_<name>.txt`, trace_gaps.py --device-only)
+    into `out`. Returns the wall time of `run()` and the gap report."""
+    from torch.profiler import ProfilerActivity, profile
+    from trace_gaps import analyse_device_only, load, report_device_only
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        started = time.perf_counter()
+        run()
+        wall = time.perf_counter() - started
+    plain, trace = out / f"trace_device_{name}.json", out / f"trace_device_{name}.json.gz"
+    prof.export_chrome_trace(str(plain))
+    with open(plain, "rb") as source, gzip.open(trace, "wb") as target:
+        shutil.copyfileobj(source, target)
+    plain.unlink()
+    gaps = f"cycle under the device-only profiler: {wall:.3f} s\n\n"
+    gaps += report_device_only(analyse_device_only(load(trace), min_us=20.0), top=40)
+    (out / f"gaps_device_{name}.txt").write_text(gaps + "\n")
+    return wall, gaps
+
+
 def run_layout(layout: str, args, device: torch.device) -> dict:
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -198,6 +221,13 @@ def run_layout(layout: str, args, device: torch.device) -> dict:
         gaps = profile_cycle(lambda: [phase(batch) for batch in batches], args.profile, name)
         del batches
         print(f"where the device waits in the profiled cycle:\n{gaps}", flush=True)
+    traced_s = None
+    if args.trace_device:
+        batches = [make_batch(args.batch, generator, pin=not args.pageable_batch) for _ in range(args.k + 1)]
+        name = "independent_full" if full else layout
+        traced_s, gaps = trace_device_cycle(lambda: [phase(b) for b in batches], args.trace_device, name)
+        del batches
+        print(f"device-only trace of one cycle:\n{gaps}", flush=True)
     torch.cuda.reset_peak_memory_stats(device)
     times: dict[str, list[float]] = {"student": [], "fake_score": []}
     cycles = []
@@ -229,6 +259,8 @@ def run_layout(layout: str, args, device: torch.device) -> dict:
         "compiled_graphs": compiled_graphs(),
         "parameter_bytes": engine.parameter_bytes(),
         "sdpa_backend": args.sdpa_backend,
+        "cycles_s": cycles,
+        "device_traced_cycle_s": traced_s,
     }
     return result
 
@@ -260,6 +292,12 @@ def main(argv=None) -> int:
         default="default",
         help="allow only this scaled-dot-product-attention kernel (default: torch's choice, cuDNN on an H200)",
     )
+    parser.add_argument(
+        "--trace-device",
+        type=Path,
+        default=None,
+        help="one more cycle under a device-only profiler (little host overhead): trace and gaps into this folder",
+    )
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument(
         "--profile",
@@ -269,6 +307,9 @@ def main(argv=None) -> int:
         "device waits (scripts/trace_gaps.py) into this folder",
     )
     args = parser.parse_args(argv)
+    for folder in (args.profile, args.trace_device):
+        if folder is not None:
+            folder.mkdir(parents=True, exist_ok=True)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
     device = torch.device("cuda", 0)

@@ -11,7 +11,7 @@ from pathlib import Path
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
-from trace_gaps import analyse, report  # noqa: E402
+from trace_gaps import analyse, analyse_device_only, report, report_device_only  # noqa: E402
 
 
 def event(cat, name, ts, dur, tid=1, **args):
@@ -67,6 +67,44 @@ def test_gaps_busy_time_and_attribution(tmp_path):
     out = subprocess.run([sys.executable, str(SCRIPTS / "trace_gaps.py"), str(path)], capture_output=True,
                          text=True, check=True).stdout  # fmt: skip
     assert "0.20 ms at      0.4 ms  phase:student  verl_dmd.optimizer_step  aten::_foreach_add_" in out
+
+
+def test_device_only_gaps_between_the_benchmarks_synchronizes():
+    """A device-only trace: phases between pairs of cudaDeviceSynchronize, each gap described by the
+    work around it and the runtime calls during it (a read-back counted as such)."""
+    events = [
+        event("cuda_runtime", "cudaDeviceSynchronize", 0, 10),  # phase 0: 10-1000
+        event("cuda_runtime", "cudaLaunchKernel", 20, 5),
+        event("kernel", "gemm", 100, 300, tid=7),
+        event("cuda_runtime", "cudaHostAlloc", 420, 150),
+        event("gpu_memcpy", "Memcpy HtoD", 600, 100, tid=7),
+        event("cuda_runtime", "cudaStreamSynchronize", 650, 100),
+        event("kernel", "adam", 800, 150, tid=7),
+        event("cuda_runtime", "cudaDeviceSynchronize", 960, 40),
+        event("cuda_runtime", "cudaDeviceSynchronize", 1100, 10),  # phase 1: 1110-1300
+        event("kernel", "mm", 1150, 100, tid=7),
+        event("cuda_runtime", "cudaDeviceSynchronize", 1250, 50),
+        event("kernel", "between phases", 1050, 20, tid=7),
+    ]
+    result = analyse_device_only(events, min_us=20)
+    assert result["phases"] == [
+        {"phase": "phase 0", "wall_us": 990, "busy_us": 550},
+        {"phase": "phase 1", "wall_us": 190, "busy_us": 100},
+    ]
+    described = [
+        (g["phase"], g["start_us"], g["us"], g["before"], g["after"], g["calls"]) for g in result["gaps"]
+    ]
+    assert described == [
+        ("phase 0", 0, 90, "(start)", "gemm", {"cudaLaunchKernel": 5}),
+        ("phase 0", 390, 200, "gemm", "Memcpy HtoD", {"cudaHostAlloc": 150}),
+        ("phase 0", 690, 100, "Memcpy HtoD", "adam", {"cudaStreamSynchronize": 50}),
+        ("phase 0", 940, 50, "adam", "(end of phase)", {"cudaDeviceSynchronize": 40}),
+        ("phase 1", 0, 40, "between phases", "mm", {}),
+        ("phase 1", 140, 50, "mm", "(end of phase)", {"cudaDeviceSynchronize": 50}),
+    ]
+    text = report_device_only(result)
+    assert "| phase 0 | 1.0 | 0.6 | 0.4 | 4 | 0.1 |" in text  # ms; the 100 us gap holds a read-back
+    assert "0.20 ms at      0.4 ms of phase 0: gemm -> Memcpy HtoD; cudaHostAlloc 150" in text
 
 
 def test_bench_phases_profile_cycle_writes_tables_trace_and_gaps(tmp_path):

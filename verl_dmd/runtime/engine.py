@@ -570,8 +570,11 @@ class RoleEngine:
         disabled = role is Role.TEACHER
         active = [Role.STUDENT.value if role is None or disabled else role.value]
         for module in self._tuner_layers(BaseTunerLayer):
-            module._disable_adapters = disabled
-            module._active_adapter = list(active)  # a list per layer, as set_adapter leaves it
+            # Plain attributes: written to the instance dict, what nn.Module.__setattr__ does for them
+            # after its checks (~5 us per write, ~1 ms per switch for the SD3 shape's 96 LoRA layers).
+            state = module.__dict__
+            state["_disable_adapters"] = disabled
+            state["_active_adapter"] = list(active)  # a list per layer, as set_adapter leaves it
 
     def _tuner_layers(self, kind) -> list[nn.Module]:
         if self._tuner_layer_cache is None:
