@@ -78,7 +78,7 @@ def main(argv=None) -> int:
     engine.verify_layout()  # the full walk that keeps the tree
     rows = {
         "verify_layout, kept tree (every phase)": median_ms(engine.verify_layout, args.repeats),
-        "verify_layout, full walk": median_ms(engine._verify_layout_walk, args.repeats),
+        "verify_layout, full walk": median_ms(engine.guard.walk, args.repeats),
         "AdamW step on the DTensors": median_ms(lambda: step(False), args.repeats),
         "AdamW step on the local shards": median_ms(lambda: step(True), args.repeats),
     }

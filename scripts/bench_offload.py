@@ -113,7 +113,7 @@ def main(argv=None) -> int:
     parser.add_argument("--no-pack", action="store_true",
                         help="StateOffloader(pack=False): wake allocates through the caching allocator as usual")  # fmt: skip
     parser.add_argument("--no-coalesce", action="store_true",
-                        help="leave small storages where they are (StateOffloader.coalesce_below = 0)")  # fmt: skip
+                        help="leave small storages where they are (StateOffloader(coalesce_below=0))")  # fmt: skip
     parser.add_argument("--chunk-mb", type=int, default=None,
                         help="packed wake: device memory reserved at a time (default: the offloader's, 64)")  # fmt: skip
     parser.add_argument("--json", type=Path, default=None)
@@ -124,11 +124,10 @@ def main(argv=None) -> int:
     from verl_dmd.runtime.offload import StateOffloader
 
     engine = build_engine(args)
-    offloader = StateOffloader(engine, pack=not args.no_pack)
-    if args.no_coalesce:
-        offloader.coalesce_below = 0
+    options = {"coalesce_below": 0} if args.no_coalesce else {}
     if args.chunk_mb is not None:
-        offloader.chunk_bytes = args.chunk_mb << 20
+        options["chunk_bytes"] = args.chunk_mb << 20
+    offloader = StateOffloader(engine, pack=not args.no_pack, **options)
 
     def segments() -> int:
         return torch.cuda.memory_stats(device).get("segment.all.current", 0) if cuda else 0

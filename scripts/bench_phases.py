@@ -176,8 +176,8 @@ def run_layout(layout: str, args, device: torch.device) -> dict:
     })  # fmt: skip
     built = time.perf_counter()
     adapter = get_adapter("sd3")()
-    engine = RoleEngine(plan, adapter, device=device)
     computer = adapter.build_distribution_matching_computer(plan.model, plan, rank=0)
+    engine = RoleEngine(plan, adapter, device=device, extra_modules=computer.extra_modules())
     runtime = DistillationRoleRuntime(engine, computer)
     build_s = time.perf_counter() - built
     controller = DistillationController(fake_update_ratio=args.k, fake_warmup_steps=0)

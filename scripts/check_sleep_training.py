@@ -62,9 +62,9 @@ def run(
         "export": {"formats": ["diffusers"]},
     })  # fmt: skip
     adapter = get_adapter("sd3")()
-    engine = RoleEngine(plan, adapter, device=device)
-    engine.local_optimizer_step = local_step
     computer = adapter.build_distribution_matching_computer(plan.model, plan, rank=0)
+    engine = RoleEngine(plan, adapter, device=device, extra_modules=computer.extra_modules())
+    engine.local_optimizer_step = local_step
     runtime = DistillationRoleRuntime(engine, computer)
     offloader = StateOffloader(engine)
     controller = DistillationController(fake_update_ratio=2, fake_warmup_steps=0)

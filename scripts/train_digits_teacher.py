@@ -25,10 +25,10 @@ from verl_dmd import losses
 from verl_dmd.adapters import get_adapter
 from verl_dmd.adapters.base import ModelSource
 from verl_dmd.adapters.diffusers_transformers import set_label_dropout
+from verl_dmd.algorithms.sampling import euler_sample
 from verl_dmd.data.digits import NUM_CLASSES, load_digits_splits
 from verl_dmd.eval.digits_classifier import train_digits_classifier
 from verl_dmd.eval.digits_report import TEACHER_STEPS, DigitsEvaluation
-from verl_dmd.eval.sampling import euler_sample
 
 TEACHER_CONFIG = {
     "sample_size": 8,

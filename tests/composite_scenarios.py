@@ -226,8 +226,7 @@ def coalesced_again(rank: int, world_size: int, layout: str, overrides: dict) ->
     from verl_dmd.runtime.offload import StateOffloader
 
     stack = Stack(rank, world_size, layout, **overrides)
-    offloader = StateOffloader(stack.engine)
-    offloader.chunk_bytes = 4096
+    offloader = StateOffloader(stack.engine, chunk_bytes=4096)
     param = stack.engine.params[Role.FAKE_SCORE][0]
     extra = param._local_tensor.view(-1)  # a holder the offloader does not know
     first = offloader.coalesce()

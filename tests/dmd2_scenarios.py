@@ -58,13 +58,13 @@ def dmd2_batch(adapter, model, size: int, seed: int) -> dict[str, torch.Tensor]:
 def probe_student_gradient(rank: int, world_size: int) -> dict:
     plan = dmd2_plan()
     adapter = get_adapter("sd3")()
-    engine = RoleEngine(plan, adapter)
     computer = DMD2Computer(adapter, plan.algorithm, seed=plan.trainer.seed, rank=rank)
+    engine = RoleEngine(plan, adapter, extra_modules=computer.extra_modules())
     runtime = DistillationRoleRuntime(engine, computer)
     controller = DistillationController(
         fake_update_ratio=plan.algorithm.fake_update_ratio, fake_warmup_steps=1
     )
-    head = {n: full(p).detach().clone() for n, p in engine.gan_head.named_parameters()}
+    head = {n: full(p).detach().clone() for n, p in engine.extra_module("dmd_gan_head").named_parameters()}
     head_moves, phase_metrics = [], []
     for phase in range(4):  # fake (warmup), student, fake, fake: every role has moved
         role = controller.next_phase()
@@ -76,7 +76,7 @@ def probe_student_gradient(rank: int, world_size: int) -> dict:
         metrics = runtime.run_phase(request, local_part(batch, rank, world_size))
         assert metrics["stepped"], metrics
         controller.record(role, stepped=True)
-        now = {n: full(p).detach().clone() for n, p in engine.gan_head.named_parameters()}
+        now = {n: full(p).detach().clone() for n, p in engine.extra_module("dmd_gan_head").named_parameters()}
         head_moves.append((role.value, any(not torch.equal(now[n], head[n]) for n in now)))
         head = now
         phase_metrics.append(metrics)
@@ -91,7 +91,11 @@ def probe_student_gradient(rank: int, world_size: int) -> dict:
     engine.zero_grad(Role.STUDENT)
     with engine.trainable(Role.STUDENT), engine.use_role(Role.STUDENT):
         output = computer.compute_phase(
-            request, local_part(probe, rank, world_size), runtime, micro_batch_index=0, num_micro_batches=1
+            request,
+            local_part(probe, rank, world_size),
+            runtime.view,
+            micro_batch_index=0,
+            num_micro_batches=1,
         )
         output.loss.backward()
     grads = {
@@ -110,6 +114,10 @@ def probe_student_gradient(rank: int, world_size: int) -> dict:
         "head_role": [
             role.value
             for role in Role
-            if any(p is q for p in engine.gan_head.parameters() for q in engine.params.get(role, []))
+            if any(
+                p is q
+                for p in engine.extra_module("dmd_gan_head").parameters()
+                for q in engine.params.get(role, [])
+            )
         ],
     }

@@ -122,7 +122,7 @@ def train_and_probe(rank: int, world_size: int, family: str, layout: str, **over
             weights[f"{role.value}:{strip_model_prefix(engine.param_names[id(p)])}"] = (
                 full(p).detach().clone()
             )
-    for p, ema in zip(engine.params[Role.STUDENT], engine.independent_ema, strict=False):  # empty when shared
+    for p, ema in zip(engine.params[Role.STUDENT], engine.ema.own_tensors, strict=False):  # empty when shared
         weights[f"student_ema:{strip_model_prefix(engine.param_names[id(p)])}"] = full(ema).detach().clone()
     probe = probe_batch(adapter, engine.module_for(Role.STUDENT), world_size)
     cond = {k[5:]: v for k, v in probe.items() if k.startswith("cond.")}
@@ -136,7 +136,11 @@ def train_and_probe(rank: int, world_size: int, family: str, layout: str, **over
     engine.zero_grad(Role.STUDENT)
     with engine.trainable(Role.STUDENT), engine.use_role(Role.STUDENT):
         output = runtime.computer.compute_phase(
-            request, local_part(probe, rank, world_size), runtime, micro_batch_index=0, num_micro_batches=1
+            request,
+            local_part(probe, rank, world_size),
+            runtime.view,
+            micro_batch_index=0,
+            num_micro_batches=1,
         )
         output.loss.backward()
     grads = {

@@ -8,8 +8,10 @@ import torch
 from PIL import Image
 
 from verl_dmd import losses
+from verl_dmd.adapters.base import DistributionMatchingModelAdapter
+from verl_dmd.algorithms.sampling import euler_sample, even_schedule, few_step_sample
 from verl_dmd.data.digits import DigitsConditionStream, load_digits_splits
-from verl_dmd.eval.sampling import euler_sample, even_schedule, few_step_sample, save_grid, save_samples
+from verl_dmd.eval.images import save_grid, save_samples
 
 LABELS = torch.arange(37) % 10
 
@@ -71,7 +73,7 @@ def test_stream_rejects_bad_state_and_sizes():
     assert real.next_batch(2)["cond.class_labels"].dtype == torch.int64
 
 
-class PointMass:
+class PointMass(DistributionMatchingModelAdapter):
     """The exact velocity field of data concentrated at `center`: v = (x_t - center) / sigma."""
 
     def __init__(self, center: torch.Tensor, uncond_center: torch.Tensor | None = None) -> None:
@@ -167,10 +169,13 @@ def test_builtin_teacher_asset_resolves_and_loads():
 
 def test_pairs_ride_along_world_size_free_and_are_checked():
     """With pairs, each sample also carries one (noise, target, label) pair, same at any world size."""
-    from verl_dmd.data.digits import check_pairs, teacher_pairs
+    from verl_dmd.data.digits import check_pairs
 
     center = torch.randn(1, 1, 8, 8)
-    pairs = teacher_pairs(PointMass(center), None, torch.arange(7) % 10, seed=0, steps=2, chunk=3)
+    labels = torch.arange(7) % 10
+    noise = torch.randn(7, 1, 8, 8, generator=torch.Generator().manual_seed(0))
+    target = euler_sample(PointMass(center), None, noise, {"class_labels": labels}, 2)
+    pairs = {"noise": noise, "target": target, "cond.class_labels": labels}
     assert torch.allclose(pairs["target"], center.expand(7, 1, 8, 8), atol=1e-5)
     assert check_pairs(pairs, "test") is not pairs
     one = DigitsConditionStream(LABELS, null_class=10, seed=3, pairs=pairs)

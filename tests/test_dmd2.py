@@ -28,7 +28,7 @@ from peft import LoraConfig
 from runtime_scenarios import default_dtype
 
 from verl_dmd.adapters import get_adapter
-from verl_dmd.adapters.base import ModelSource
+from verl_dmd.adapters.base import DistributionMatchingModelAdapter, ModelSource
 from verl_dmd.algorithms.dmd2 import DMD2Computer
 
 WORLD_SIZE = 2
@@ -201,7 +201,7 @@ def test_exit_index_is_shared_across_ranks(probed):
     assert len(set(rank0["exits"])) == STUDENT_STEPS  # and it does vary over the schedule
 
 
-class _RecordingAdapter:
+class _RecordingAdapter(DistributionMatchingModelAdapter):
     """Stands in for a model adapter: records grad mode per call; velocity = w * x_t."""
 
     def __init__(self):

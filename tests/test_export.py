@@ -18,11 +18,10 @@ from verl_dmd.checkpoint.export import (
     PEFT_DIR,
     PIPELINE_DIR,
     ExportError,
-    _sha256,
     check_finite,
     export_checkpoint,
 )
-from verl_dmd.checkpoint.store import CheckpointError
+from verl_dmd.checkpoint.store import CheckpointError, file_sha256
 
 TOLERANCE = 1e-5  # fp32, max abs error (the acceptance bound)
 NO_TEXT_OR_VAE = {name: None for name in ("vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2",
@@ -116,14 +115,14 @@ def test_lora_export_round_trips_through_peft_and_diffusers(tmp_path, layout, wo
         info = json.loads((out / EXPORT_INFO).read_text())
         assert info["role"] == role and info["global_step"] == 2
         for relative, digest in info["files"].items():
-            assert _sha256(out / relative) == digest, relative
+            assert file_sha256(out / relative) == digest, relative
 
     # The exported adapter starts a new run: model.student.lora.init_path reads PEFT's key layout.
-    from verl_dmd.runtime.engine import _add_adapter, _lora_config, load_peft_adapter_dir
+    from verl_dmd.runtime.lora import add_adapter, load_peft_adapter_dir, lora_config
 
     spec = plan.model.student.lora
     fresh = SD3Transformer2DModel.from_pretrained(teacher_dir)
-    _add_adapter(fresh, _lora_config(spec, get_adapter("sd3").default_lora_targets), "student")
+    add_adapter(fresh, lora_config(spec, get_adapter("sd3").default_lora_targets), "student")
     load_peft_adapter_dir(
         fresh, str(tmp_path / "export" / "student" / PEFT_DIR), "student", spec, "model.student.lora"
     )
@@ -235,30 +234,32 @@ def test_console_script_exports_the_newest_checkpoint_of_a_run(full_run):
 
 
 def test_end_of_run_export_keeps_its_own_and_replaces_another_runs(full_run, tmp_path):
-    """The trainer's export at the end: a directory holding this checkpoint's export is kept; one holding
-    another run's export of the same step (a restarted timeline) is replaced, never silently reused."""
+    """The trainer's export at the end (if_exists="reuse"): a directory holding this checkpoint's export is
+    kept; one holding another run's export of the same step (a restarted timeline) is replaced, never
+    silently reused; the command's default refuses an existing directory."""
     import dataclasses
     import shutil
 
     from verl_dmd.checkpoint.store import CheckpointStore
-    from verl_dmd.trainer.ray_trainer import DistillationRayTrainer
+    from verl_dmd.trainer.ray_trainer import Export
 
     _, _, plan, trained = full_run
     plan = dataclasses.replace(
         plan, export=dataclasses.replace(plan.export, output_dir=str(tmp_path / "exp"))
     )
-    trainer = DistillationRayTrainer.__new__(DistillationRayTrainer)
-    trainer.plan, trainer.log = plan, lambda line: None
+    export = Export(plan, lambda line: None)
     target = tmp_path / "exp" / "global_step_2" / "student_ema"
-    trainer._export(trained["path"])
+    export.at_end(trained["path"])
     info = json.loads((target / EXPORT_INFO).read_text())
     assert info["manifest_sha256"] == CheckpointStore.verify(trained["path"]).manifest["manifest_sha256"]
     stamp = (target / EXPORT_INFO).stat().st_mtime_ns
-    trainer._export(trained["path"])  # the same checkpoint: kept as it is
+    export.at_end(trained["path"])  # the same checkpoint: kept as it is
     assert (target / EXPORT_INFO).stat().st_mtime_ns == stamp
+    with pytest.raises(ExportError, match="already exists"):
+        export_checkpoint(plan, trained["path"], log=lambda line: None)
     shutil.rmtree(target / DIFFUSERS_DIR)  # pretend another run wrote this directory
     (target / EXPORT_INFO).write_text(json.dumps({**info, "manifest_sha256": "0" * 64}))
-    trainer._export(trained["path"])
+    export.at_end(trained["path"])
     assert json.loads((target / EXPORT_INFO).read_text())["manifest_sha256"] == info["manifest_sha256"]
     assert (target / DIFFUSERS_DIR / "config.json").is_file()
 

@@ -22,6 +22,7 @@ from verl_dmd.losses import (
     gan_discriminator_loss,
     gan_generator_loss,
     generator_surrogate_loss,
+    prediction_target,
     regression_loss,
     sample_sigmas,
     shift_sigma,
@@ -374,20 +375,23 @@ def test_fake_score_loss_matches_reference():
     """Unweighted: mean((v_pred - (eps - x0))^2); weighted: mean_b(w_b * mean_sample_b(err^2))."""
     v_pred, x0, eps = (randn(*SHAPE, seed=s) for s in (80, 81, 82))
     err = (v_pred.numpy() - (eps.numpy() - x0.numpy())) ** 2
-    assert rel_err(fake_score_loss(v_pred, x0, eps), err.sum() / err.size) < REL_TOL
+    target = prediction_target("velocity", x0, eps)
+    assert rel_err(fake_score_loss(v_pred, target), err.sum() / err.size) < REL_TOL
     weight = [0.5, 2.0, 0.0]
     ref = sum(w * err[b].sum() / err[b].size for b, w in enumerate(weight)) / 3
-    out = fake_score_loss(v_pred, x0, eps, weight=torch.tensor(weight, dtype=torch.float64))
+    out = fake_score_loss(v_pred, target, weight=torch.tensor(weight, dtype=torch.float64))
     assert rel_err(out, ref) < REL_TOL
     with pytest.raises(ValueError, match="weight"):
-        fake_score_loss(v_pred, x0, eps, weight=torch.ones(4))
+        fake_score_loss(v_pred, target, weight=torch.ones(4))
 
 
 def test_fake_score_loss_upcasts_and_carries_graph():
     """bf16 predictions give a float32 loss that back-propagates into the prediction."""
     v_pred = randn(*SHAPE, seed=83, dtype=torch.bfloat16).requires_grad_(True)
     x0, eps = randn(*SHAPE, seed=84, dtype=torch.bfloat16), randn(*SHAPE, seed=85, dtype=torch.bfloat16)
-    loss = fake_score_loss(v_pred, x0, eps)
+    target = prediction_target("velocity", x0, eps)
+    assert target.dtype == torch.float32  # the target is formed in float32 from bf16 inputs
+    loss = fake_score_loss(v_pred, target)
     assert loss.dtype == torch.float32 and loss.ndim == 0
     loss.backward()
     assert v_pred.grad is not None

@@ -210,16 +210,22 @@ def test_mean_mode_is_the_sample_mean_for_equal_splits(micro_batches):
 
 
 def test_phase_computer_protocol_is_checkable():
-    """A class with the three methods satisfies the runtime-checkable protocol; others do not."""
+    """A class with the protocol's five methods satisfies the runtime-checkable protocol; others do not."""
 
     class Computer:
         def compute_phase(self, request, batch, runtime, *, micro_batch_index, num_micro_batches):
             return PhaseOutput(loss=torch.tensor(0.0))
 
+        def extra_modules(self):
+            return ()
+
         def state_dict(self):
             return {}
 
         def load_state_dict(self, state):
+            pass
+
+        def reseed(self, salt):
             pass
 
     assert isinstance(Computer(), PhaseComputer)

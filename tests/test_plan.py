@@ -153,7 +153,8 @@ def test_tracking_backends_match_verl():
 
 INVALID = [
     # (overrides, the key the message must name)
-    ({"algorithm.name": "dmd"}, "algorithm.name"),
+    ({"algorithm.name": ""}, "algorithm.name"),
+    ({"algorithm.fake_score_weighting": "snr"}, "algorithm.fake_score_weighting"),
     ({"algorithm.fake_update_ratio": 0}, "algorithm.fake_update_ratio"),
     ({"algorithm.fake_update_ratio": -1}, "algorithm.fake_update_ratio"),
     ({"algorithm.fake_update_ratio": 1.5}, "algorithm.fake_update_ratio"),
@@ -352,7 +353,7 @@ def test_independent_layout_allows_full_training_and_own_sources():
 # fingerprint, resume-mutable keys must not. The coverage test below fails when
 # a plan key is added without an entry here.
 ALTERNATIVES = {
-    "algorithm.name": None,  # a single allowed value: nothing to change
+    "algorithm.name": "sid",  # any name: the registry, not the plan, knows the registered methods
     "algorithm.fake_update_ratio": 2,
     "algorithm.fake_warmup_steps": 7,
     "algorithm.teacher_guidance_scale": 4.5,
@@ -370,6 +371,7 @@ ALTERNATIVES = {
     "algorithm.gan_generator_weight": 0.0,  # needs the discriminator weight: see test below
     "algorithm.gan_discriminator_weight": 0.01,
     "algorithm.regression_weight": 0.0,  # needs a data path: see test below
+    "algorithm.fake_score_weighting": "edm",
     "model.adapter": "sd3",
     "model.storage": "independent",
     "model.param_dtype": "bfloat16",
@@ -427,6 +429,7 @@ ALTERNATIVES = {
     "checkpoint.keep_every": 1000,
     "checkpoint.resume": "disable",
     "checkpoint.verify_hashes": True,
+    "validation.name": "digits",
     "validation.every": 100,
     "validation.num_samples": 16,
     "validation.sampling_steps": [1, 2, 4],
@@ -530,18 +533,7 @@ def test_resume_mutable_keys_exist():
         assert any(k == entry or k.startswith(entry + ".") for k in keys), entry
 
 
-SINGLE_VALUED = {"algorithm.name"}  # one allowed value today; see test_single_valued_keys_are_semantic
-
-
-def test_single_valued_keys_are_semantic():
-    """Keys with one allowed value today are still hashed, so a second value will change the fingerprint."""
-    semantic = flatten(DistillationPlan.from_config(valid_config()).semantic_dict())
-    assert set(semantic) >= SINGLE_VALUED
-
-
-@pytest.mark.parametrize(
-    "key", sorted(k for k in ALTERNATIVES if not _is_mutable(k) and k not in SINGLE_VALUED)
-)
+@pytest.mark.parametrize("key", sorted(k for k in ALTERNATIVES if not _is_mutable(k)))
 def test_fingerprint_changes_with_every_semantic_key(key):
     """Changing any semantic key (alone, or with the companions it needs) changes the fingerprint."""
     reference = DistillationPlan.from_config(valid_config())
@@ -617,3 +609,19 @@ def test_semantic_differences_name_both_values():
     stored = old.semantic_dict()
     del stored["ema"]["decay"]
     assert ("ema.decay", "<absent>", 0.999) in new.semantic_differences(stored)
+
+
+def test_a_key_added_later_is_no_difference_at_the_value_it_replaced():
+    """A checkpoint written before algorithm.fake_score_weighting existed resumes under the plan that holds
+    the behaviour it had (uniform), and only under that; every other absent key is still a difference."""
+    from verl_dmd.plan import ADDED_KEYS
+
+    plan = DistillationPlan.from_config(valid_config())
+    stored = plan.semantic_dict()
+    for dotted in ADDED_KEYS:
+        section, key = dotted.split(".")
+        del stored[section][key]
+    assert plan.semantic_differences(stored) == []
+    other = DistillationPlan.from_config(with_overrides({"algorithm.fake_score_weighting": "edm"}))
+    assert other.semantic_differences(stored) == [("algorithm.fake_score_weighting", "<absent>", "edm")]
+    assert set(ADDED_KEYS) <= set(plan_keys()) and not any(_is_mutable(k) for k in ADDED_KEYS)

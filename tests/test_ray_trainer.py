@@ -137,7 +137,7 @@ def test_a_stop_after_fake_phases_keeps_the_checkpoint_of_the_same_global_step(t
     refuses); a stop after the next student step saves anew."""
     from types import SimpleNamespace
 
-    from verl_dmd.trainer.ray_trainer import DistillationRayTrainer
+    from verl_dmd.trainer.ray_trainer import Checkpoints
 
     saved = []
 
@@ -150,13 +150,12 @@ def test_a_stop_after_fake_phases_keeps_the_checkpoint_of_the_same_global_step(t
         def state_dict(self):
             return {"position": 0}
 
-    trainer = DistillationRayTrainer.__new__(DistillationRayTrainer)
-    trainer.group, trainer._saved, trainer.log = Group(), None, lambda line: None
+    checkpoints = Checkpoints(plan=None, group=Group(), log=lambda line: None)
     controller = SimpleNamespace(phase_index=5, global_step=2, state_dict=lambda: {})
-    assert trainer._save(controller, Provider()) == "global_step_2"
+    assert checkpoints.save(controller, Provider()) == "global_step_2"
     controller.phase_index = 8  # three fake-score phases later, still global step 2
-    assert trainer._save(controller, Provider()) == "global_step_2"
+    assert checkpoints.save(controller, Provider()) == "global_step_2"
     assert saved == [2]
     controller.phase_index, controller.global_step = 9, 3
-    assert trainer._save(controller, Provider()) == "global_step_3"
+    assert checkpoints.save(controller, Provider()) == "global_step_3"
     assert saved == [2, 3]

@@ -228,9 +228,9 @@ def test_runtime_never_sets_a_gradient_divide_factor():
     """The guard of the trap above, stated directly: no runtime module calls set_gradient_divide_factor."""
     import inspect
 
-    from verl_dmd.runtime import engine, runtime
+    from verl_dmd.runtime import engine, runtime, sharding
 
-    for module in (engine, runtime):
+    for module in (engine, runtime, sharding):
         assert "set_gradient_divide_factor" not in inspect.getsource(module)
     assert torch.distributed.is_available()
 

@@ -19,10 +19,12 @@ from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.tensor import DTensor
 
 from verl_dmd.adapters import get_adapter
+from verl_dmd.adapters.base import ModelSource
 from verl_dmd.algorithms.reference import ReferenceRegressionComputer, regression_batch
 from verl_dmd.phases import PhaseOutput, PhaseRequest, Role
-from verl_dmd.runtime import engine as engine_module
+from verl_dmd.runtime import sharding as sharding_module
 from verl_dmd.runtime.engine import RoleEngine
+from verl_dmd.runtime.layouts import SharedBaseLayout
 from verl_dmd.runtime.runtime import DistillationRoleRuntime
 
 FAMILY = "sd3"
@@ -199,7 +201,7 @@ def init_from_peft_dir(rank, world, directory):
     plan = make_plan(FAMILY, SHARED)
     if rank == 0:
         torch.manual_seed(123)
-        model = adapter.build_model(engine_module.ModelSource.of(plan.model.teacher))
+        model = adapter.build_model(ModelSource.of(plan.model.teacher))
         config = LoraConfig(r=4, lora_alpha=4, target_modules=list(adapter.default_lora_targets))
         model.add_adapter(config, adapter_name="saved")
         with torch.no_grad():
@@ -262,10 +264,10 @@ def trap_lazy_init_dtype(rank, world):
 
 def _switch_with_peft(self, role):
     """Switching through PEFT's API, which sets requires_grad on adapter weights as a side effect
-    (what RoleEngine._switch_adapter avoids)."""
+    (what SharedBaseLayout.switch_adapter avoids); `self` is the layout."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    for module in self.models["base"].modules():
+    for module in self.tuner_layers():
         if isinstance(module, BaseTunerLayer):
             if role is Role.TEACHER:
                 module.enable_adapters(False)
@@ -277,8 +279,8 @@ def _switch_with_peft(self, role):
 def _activate_without_reassert(self, role):
     """A switch through PEFT's API with no re-assertion of the trainable set afterwards."""
     self.reshard()
-    if self.layout == SHARED:
-        _switch_with_peft(self, role)
+    if self.layout.name == SHARED:
+        _switch_with_peft(self.layout, role)
     self._active = role
 
 
@@ -315,11 +317,11 @@ def switch_keeps_gathered(rank, world):
                 def train(reference: bool, layout=layout, overrides=overrides, computer_name=computer_name):
                     plan = make_plan(FAMILY, layout, **overrides)
                     adapter = get_adapter(FAMILY)()
-                    engine = RoleEngine(plan, adapter)
                     if computer_name == "dmd2":
                         computer = DMD2Computer(adapter, plan.algorithm, seed=plan.trainer.seed, rank=rank)
                     else:
                         computer = ReferenceRegressionComputer(adapter)
+                    engine = RoleEngine(plan, adapter, extra_modules=computer.extra_modules())
                     runtime = DistillationRoleRuntime(engine, computer)
                     calls = []
                     real = engine.reshard
@@ -341,7 +343,7 @@ def switch_keeps_gathered(rank, world):
                                 batch = _batch(adapter, engine, rank, world, seed=step)
                             runtime.run_phase(_request(role, step), batch)
                     state = [*_weights(engine, Role.STUDENT), *_weights(engine, Role.FAKE_SCORE)]
-                    state += [full(t).detach().clone() for t in engine.independent_ema]
+                    state += [full(t).detach().clone() for t in engine.ema.own_tensors]
                     if layout == SHARED:
                         state += _weights(engine, Role.STUDENT_EMA)
                     return state, len(calls)
@@ -374,7 +376,7 @@ def frozen_in_compute_dtype(rank, world):
             for step, role in enumerate((Role.FAKE_SCORE, Role.STUDENT, Role.FAKE_SCORE)):
                 runtime.run_phase(_request(role, step), _batch(adapter, engine, rank, world, seed=step))
             state = [*_weights(engine, Role.STUDENT), *_weights(engine, Role.FAKE_SCORE)]
-            state += [full(t).detach().clone() for t in engine.independent_ema]
+            state += [full(t).detach().clone() for t in engine.ema.own_tensors]
             probe = _batch(adapter, engine, rank, world, seed=9)
             cond = {k[5:]: v for k, v in probe.items() if k.startswith("cond.")}
             with torch.no_grad():
@@ -470,7 +472,7 @@ def trap_switch_flips_no_flags(rank, world):
         }
 
     guarded = _error(attempt) or attempt()
-    with patched(RoleEngine, "_switch_adapter", _switch_with_peft):
+    with patched(SharedBaseLayout, "switch_adapter", _switch_with_peft):
         unguarded = _error(attempt) or attempt()
     return {"guarded": guarded, "unguarded": unguarded}
 
@@ -556,7 +558,7 @@ def trap_parameter_replaced_after_shard(rank, world):
     child_name, child = next(iter(parent._modules.items()))
     del parent._modules[child_name]
     removed = _error(engine.verify_layout)
-    forgotten = id(child) not in engine._layout_known[2]
+    forgotten = id(child) not in engine.guard.known[2]
     parent._modules[child_name] = child
     back = _error(engine.verify_layout)
     return {"refused": refused, "again": again, "root": root, "restored": restored, "removed": removed,
@@ -571,7 +573,7 @@ def trap_cpu_offload_pin_memory(rank, world):
         return runtime.run_phase(_request(Role.FAKE_SCORE), _batch(adapter, engine, rank, world))["stepped"]
 
     guarded = _error(attempt) or attempt()
-    with patched(engine_module, "CPUOffloadPolicy", lambda pin_memory: CPUOffloadPolicy(pin_memory=True)):
+    with patched(sharding_module, "CPUOffloadPolicy", lambda pin_memory: CPUOffloadPolicy(pin_memory=True)):
         unguarded = _error(attempt)
     return {"guarded": guarded, "unguarded": unguarded}
 

@@ -2,7 +2,7 @@
 
 The plan dataclasses are the single source of truth for keys, types, defaults
 and meanings; this module renders them so the documentation cannot drift.
-Run ``python -m verl_dmd.config_docs --write`` after changing verl_dmd/plan.py;
+Run ``python -m verl_dmd.config_docs --write`` after changing verl_dmd/plan/specs.py;
 a test fails while the file is stale.
 """
 
@@ -18,15 +18,16 @@ import types
 import typing
 from pathlib import Path
 
-from verl_dmd import plan as plan_module
 from verl_dmd.plan import RESUME_MUTABLE_KEYS, DistillationPlan, _defaults_without_validation
+from verl_dmd.plan import specs as plan_module
+from verl_dmd.plan.schema import to_plain
 
 BEGIN = "<!-- BEGIN GENERATED KEY TABLES (python -m verl_dmd.config_docs --write) -->"
 END = "<!-- END GENERATED KEY TABLES -->"
 
 
 def _field_docs() -> dict[tuple[str, str], str]:
-    """(class name, field name) -> the string literal that follows the field in plan.py."""
+    """(class name, field name) -> the string literal that follows the field in plan/specs.py."""
     tree = ast.parse(inspect.getsource(plan_module))
     docs: dict[tuple[str, str], str] = {}
     for node in tree.body:
@@ -77,9 +78,9 @@ def _rows(obj: typing.Any, prefix: str, docs: dict[tuple[str, str], str]) -> lis
         doc = docs.get((type(obj).__name__, f.name))
         if doc is None:
             raise SystemExit(
-                f"plan field {type(obj).__name__}.{f.name} has no docstring; document it in plan.py"
+                f"plan field {type(obj).__name__}.{f.name} has no docstring; document it in verl_dmd/plan/specs.py"
             )
-        default = json.dumps(plan_module._to_plain(value))
+        default = json.dumps(to_plain(value))
         resume = "yes" if _mutable(key) else "no"
         meaning = doc.replace("|", "\\|")
         rows.append(f"| `{key}` | {_type_text(hints[f.name])} | `{default}` | {resume} | {meaning} |")

@@ -22,19 +22,27 @@ import torch.nn.functional as F
 __all__ = [
     "CFG_FORMS",
     "DMD_NORMALIZERS",
+    "EDM_SIGMA_DATA",
+    "FAKE_SCORE_WEIGHTINGS",
+    "PARAMETERIZATIONS",
     "DMDGradient",
     "add_noise",
     "classifier_free_guidance",
     "dmd_gradient",
     "fake_score_loss",
+    "fake_score_weight",
     "gan_discriminator_loss",
     "gan_generator_loss",
+    "ode_step",
+    "prediction_target",
     "regression_loss",
     "sample_sigmas",
     "shift_sigma",
+    "standard_guidance_scale",
     "student_sigma_schedule",
     "velocity_target",
     "x0_from_epsilon",
+    "x0_from_prediction",
     "x0_from_velocity",
 ]
 
@@ -43,6 +51,15 @@ CFG_FORMS: tuple[str, ...] = ("standard", "conditional_offset")
 
 DMD_NORMALIZERS: tuple[str, ...] = ("per_sample", "batch_global")
 """Scopes of the mean |x - x0_real| that divides the DMD gradient; ``per_sample`` is the default."""
+
+PARAMETERIZATIONS: tuple[str, ...] = ("velocity", "epsilon", "x0")
+"""What a model predicts at ``x_t``: the velocity ``eps - x0`` (the flow families), the noise, or x0."""
+
+FAKE_SCORE_WEIGHTINGS: tuple[str, ...] = ("uniform", "dmd2_sd", "edm")
+"""Weightings of the fake-score denoising loss (`fake_score_weight`); ``uniform`` is the default."""
+
+EDM_SIGMA_DATA = 0.5
+"""The data standard deviation in the ``edm`` weighting (EDM's and DMD2's ImageNet value)."""
 
 SigmaLike = float | torch.Tensor
 
@@ -251,7 +268,72 @@ def x0_from_epsilon(
     return (x_t - sigma * eps_hat) / alpha
 
 
+def _check_parameterization(parameterization: str) -> None:
+    if parameterization not in PARAMETERIZATIONS:
+        raise ValueError(f"parameterization = {parameterization!r}: must be one of {PARAMETERIZATIONS}")
+
+
+def x0_from_prediction(
+    parameterization: str, x_t: torch.Tensor, prediction: torch.Tensor, sigma: SigmaLike
+) -> torch.Tensor:
+    """The x0 estimate of a model of `parameterization` (velocity, epsilon or x0) at level sigma.
+
+    Epsilon prediction has no estimate at sigma = 1 (``x_t`` is pure noise there; a python 1.0
+    raises, a tensor one yields inf/NaN), which is why an epsilon family samples from below 1.
+    """
+    _check_parameterization(parameterization)
+    if parameterization == "velocity":
+        return x0_from_velocity(x_t, prediction, sigma)
+    if parameterization == "epsilon":
+        return x0_from_epsilon(x_t, prediction, 1.0 - sigma, sigma)
+    _check_same_shape(x_t=x_t, prediction=prediction)
+    return prediction
+
+
+def prediction_target(parameterization: str, x0: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
+    """What a model of `parameterization` should predict for ``add_noise(x0, eps, sigma)``, in at least
+    float32: the velocity ``eps - x0``, the noise, or x0 (none depends on sigma)."""
+    _check_parameterization(parameterization)
+    _check_same_shape(x0=x0, eps=eps)
+    dtype = _at_least_float32(x0, eps)
+    if parameterization == "velocity":
+        return velocity_target(x0.to(dtype), eps.to(dtype))
+    return (eps if parameterization == "epsilon" else x0).to(dtype)
+
+
+def ode_step(
+    parameterization: str,
+    x_t: torch.Tensor,
+    prediction: torch.Tensor,
+    sigma: SigmaLike,
+    next_sigma: SigmaLike,
+) -> torch.Tensor:
+    """One deterministic step of the probability-flow ODE from `sigma` to `next_sigma`.
+
+    Velocity: the Euler step ``x_t + (next_sigma - sigma) * v``. Otherwise the same step through the x0
+    and noise estimates, ``(1 - next_sigma) * x0 + next_sigma * eps`` (DDIM), which for a velocity model
+    is the Euler step exactly; `sigma` must then lie in (0, 1) for epsilon and (0, 1] for x0 prediction.
+    """
+    _check_parameterization(parameterization)
+    if parameterization == "velocity":
+        step = next_sigma - sigma
+        return x_t + (step.to(x_t.dtype) if isinstance(step, torch.Tensor) else step) * prediction
+    x0 = x0_from_prediction(parameterization, x_t, prediction, sigma)
+    dtype = torch.promote_types(x_t.dtype, prediction.dtype)
+    level = _broadcast_per_sample(sigma, like=x_t, dtype=dtype, name="sigma")
+    following = _broadcast_per_sample(next_sigma, like=x_t, dtype=dtype, name="next_sigma")
+    eps = prediction if parameterization == "epsilon" else (x_t - (1.0 - level) * x0) / level
+    return (1.0 - following) * x0 + following * eps
+
+
 # ----------------------------------------------------------------------------- guidance
+
+
+def standard_guidance_scale(scale: float, form: str = "standard") -> float:
+    """A CFG scale of `form` as the equivalent scale of the standard form (1 means no guidance)."""
+    if form not in CFG_FORMS:
+        raise ValueError(f"form = {form!r}: must be one of {CFG_FORMS}")
+    return float(scale) + (1.0 if form == "conditional_offset" else 0.0)
 
 
 def classifier_free_guidance(
@@ -370,24 +452,49 @@ def generator_surrogate_loss(x: torch.Tensor, grad: torch.Tensor) -> torch.Tenso
     return 0.5 * (x_w - target).square().mean()
 
 
+def fake_score_weight(weighting: str, parameterization: str, sigma: torch.Tensor) -> torch.Tensor | None:
+    """Per-sample weights of the fake score's squared prediction error that make the loss `weighting`.
+
+    With ``e`` the error of the model's own prediction (`prediction_target`) at level sigma:
+    ``uniform`` is ``mean(e^2)`` (no weights: None); ``dmd2_sd`` is the MSE of the predicted noise, as
+    DMD2's SD/SDXL code trains its fake score (the noise error is ``c * e`` with c = 1 - sigma for
+    velocity, 1 for epsilon, (1 - sigma)/sigma for x0 prediction, so the weight is c^2); ``edm`` is
+    DMD2's ImageNet (EDM) loss ``(1/sigma_ve^2 + 1/sigma_data^2) * |x0_hat - x0|^2`` with the flow
+    level's VE noise ``sigma_ve = sigma/(1 - sigma)`` and sigma_data = `EDM_SIGMA_DATA` (the x0 error is
+    ``d * e`` with d = sigma, sigma/(1 - sigma), 1; weight c^2 + d^2/sigma_data^2). Returns shape (batch,)
+    in sigma's dtype (float64 for float64 sigma).
+    """
+    if weighting not in FAKE_SCORE_WEIGHTINGS:
+        raise ValueError(f"weighting = {weighting!r}: must be one of {FAKE_SCORE_WEIGHTINGS}")
+    _check_parameterization(parameterization)
+    if weighting == "uniform":
+        return None
+    if not isinstance(sigma, torch.Tensor) or sigma.ndim != 1:
+        raise ValueError("sigma must be a 1-D tensor of per-sample noise levels for a weighted loss")
+    s = sigma if sigma.is_floating_point() else sigma.float()
+    noise_scale = {"velocity": 1.0 - s, "epsilon": torch.ones_like(s), "x0": (1.0 - s) / s}[parameterization]
+    weight = noise_scale.square()
+    if weighting == "edm":
+        x0_scale = {"velocity": s, "epsilon": s / (1.0 - s), "x0": torch.ones_like(s)}[parameterization]
+        weight = weight + x0_scale.square() / EDM_SIGMA_DATA**2
+    return weight
+
+
 def fake_score_loss(
-    velocity_pred: torch.Tensor,
-    x0: torch.Tensor,
-    eps: torch.Tensor,
-    weight: torch.Tensor | None = None,
+    prediction: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Flow-matching MSE of the fake score against ``velocity_target(x0, eps)``, upcast to >= float32.
+    """MSE of the fake score's prediction against its `target` (`prediction_target`), upcast to >= float32.
 
     `weight` of shape (batch,) scales each sample's mean squared error before the
-    batch mean (the adapter's per-sigma loss weighting). The target is not
-    detached here: pass a detached student sample, as the critic phase does.
+    batch mean (`fake_score_weight`). The target is not detached here: build it
+    from a detached student sample, as the critic phase does.
     """
-    _check_same_shape(velocity_pred=velocity_pred, x0=x0, eps=eps)
-    dtype = _at_least_float32(velocity_pred, x0, eps)
-    error = (velocity_pred.to(dtype) - velocity_target(x0.to(dtype), eps.to(dtype))).square()
+    _check_same_shape(prediction=prediction, target=target)
+    dtype = _at_least_float32(prediction, target)
+    error = (prediction.to(dtype) - target.to(dtype)).square()
     if weight is None:
         return error.mean()
-    batch = velocity_pred.shape[0] if velocity_pred.ndim >= 1 else None
+    batch = prediction.shape[0] if prediction.ndim >= 1 else None
     if not isinstance(weight, torch.Tensor) or weight.ndim != 1 or weight.shape[0] != batch:
         shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
         raise ValueError(

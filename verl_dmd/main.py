@@ -73,10 +73,33 @@ def describe(plan: DistillationPlan) -> str:
     return "\n".join(lines)
 
 
+def check_registered(plan: DistillationPlan) -> None:
+    """Every name the plan selects from a registry exists (model adapter, method, data provider,
+    validator): one line naming the key and the registered names, before anything starts."""
+    from verl_dmd.adapters.registry import ADAPTERS
+    from verl_dmd.algorithms.registry import METHODS
+    from verl_dmd.registry import UnknownNameError
+    from verl_dmd.trainer.registry import DATA_PROVIDERS, VALIDATORS
+
+    selections = [
+        (ADAPTERS, plan.model.adapter),
+        (METHODS, plan.algorithm.name),
+        (DATA_PROVIDERS, plan.data.name),
+    ]
+    if plan.validation.name:
+        selections.append((VALIDATORS, plan.validation.name))
+    for registry, name in selections:
+        try:
+            registry.get(name)
+        except UnknownNameError as err:
+            raise PlanError(str(err)) from None
+
+
 def run(cfg: Any, *, dry_run: bool = False, backend: str = "ray") -> int:
     """Build the plan from `cfg` and act on it; returns a process exit code."""
     try:
         plan = DistillationPlan.from_config(cfg)
+        check_registered(plan)
         if not dry_run:
             plan.check_local_paths()
     except PlanError as err:

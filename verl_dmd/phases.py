@@ -11,7 +11,8 @@ from __future__ import annotations
 import enum
 import math
 import numbers
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Protocol, runtime_checkable
@@ -248,26 +249,89 @@ class LossNormalizerTracker:
         return divisor
 
 
+@dataclass(frozen=True)
+class ExtraModule:
+    """A trainable module a phase computer needs besides the roles' models (DMD2's GAN head).
+
+    The role engine builds it with `build(model)` from the model that holds `owner`'s weights, before
+    sharding (TRAPS: a module added later would never synchronise its gradients), attaches it there as
+    submodule `name`, shards it as its own FSDP2 unit, and puts its parameters in `owner`'s optimizer.
+    The computer reaches it through `PhaseRuntime.extra_module(name)`.
+    """
+
+    name: str
+    owner: Role
+    build: Callable[[torch.nn.Module], torch.nn.Module]
+
+    def __post_init__(self) -> None:
+        if not self.name.isidentifier():
+            raise PhaseContractError(f"ExtraModule.name = {self.name!r}: must be a Python identifier")
+        owner = Role(self.owner)
+        if not owner.trainable:
+            raise PhaseContractError(
+                f"ExtraModule {self.name!r}: owner {owner.value!r} does not train; allowed: "
+                f"{[r.value for r in TRAINABLE_ROLES]}"
+            )
+        object.__setattr__(self, "owner", owner)
+
+
+@runtime_checkable
+class PhaseRuntime(Protocol):
+    """All a phase computer may use of the runtime; the runtime hands computers exactly this.
+
+    - `use_role(role)`: a context in which forwards run as `role` (frozen roles under no_grad); it
+      yields the module to call.
+    - `module_for(role)`: the module holding `role`'s weights, without switching (the phase's own role
+      is active for the whole phase).
+    - `extra_module(name)`: a module the computer declared (`ExtraModule`).
+    - `adapter`: the model adapter: `predict`, `predict_with_features`, and the conversions of its
+      parameterization (`to_x0`, `add_noise`, `prediction_target`, `ode_step`).
+    - `rank`, `world_size`: this rank's place in the data-parallel group.
+    """
+
+    @property
+    def adapter(self) -> Any: ...
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    def use_role(self, role: Role | str) -> AbstractContextManager[torch.nn.Module]: ...
+
+    def module_for(self, role: Role | str) -> torch.nn.Module: ...
+
+    def extra_module(self, name: str) -> torch.nn.Module: ...
+
+
 @runtime_checkable
 class PhaseComputer(Protocol):
     """Computes one micro-batch of one phase; never calls backward or an optimizer.
 
-    It may enter ``runtime.use_role(role)`` to run frozen roles (teacher, fake
-    score during a student phase) under ``torch.no_grad``. Loop facts arrive as
-    keyword arguments. Its own state (RNG streams, counters) goes through
-    ``state_dict``/``load_state_dict`` so resumes continue bit-for-bit.
+    It runs frozen roles (teacher, fake score during a student phase) inside
+    ``runtime.use_role(role)`` under ``torch.no_grad``, and uses nothing of the
+    runtime but `PhaseRuntime`. Loop facts arrive as keyword arguments. Its own
+    state (RNG streams, counters) goes through ``state_dict``/``load_state_dict``
+    so resumes continue bit-for-bit; `reseed(salt)` gives it fresh streams when a
+    resume cannot restore them (another world size). `extra_modules()` declares
+    the trainable modules it needs besides the roles' models (none: an empty tuple).
     """
 
     def compute_phase(
         self,
         request: PhaseRequest,
         batch: Any,
-        runtime: Any,
+        runtime: PhaseRuntime,
         *,
         micro_batch_index: int,
         num_micro_batches: int,
     ) -> PhaseOutput: ...
 
+    def extra_modules(self) -> Sequence[ExtraModule]: ...
+
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+    def reseed(self, salt: int) -> None: ...

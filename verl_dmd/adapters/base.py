@@ -9,6 +9,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from verl_dmd import losses
+
 
 @dataclass(frozen=True)
 class ModelSource:
@@ -38,18 +40,27 @@ def plain(value: Any) -> Any:
 
 
 class DistributionMatchingModelAdapter:
-    """Knows one model family: building it, sharding it, adapting it and calling it.
+    """Knows one model family: building it, sharding it, adapting it, calling it and reading its prediction.
 
     Subclasses set `model_class` (a diffusers `ModelMixin` with peft support),
     `default_lora_targets`, and implement `fsdp_units`, `predict` and
-    `example_batch`; they may override `build_model` and
-    `build_distribution_matching_computer`. `parameterization` says what `predict` returns; the
-    losses convert it to x0 through `verl_dmd.losses`.
+    `example_batch`; they may override `build_model`. `parameterization` says what
+    `predict` returns (velocity, epsilon or x0 under the flow interpolation of
+    docs/dmd2.md); every conversion of a prediction (`to_x0`, `prediction_target`,
+    `ode_step`) goes through the methods below, so a family with another
+    parameterization (or another way of noising) overrides them here and every
+    method and sampler follows. The adapter is also where a run's phase computer is
+    made (`build_distribution_matching_computer`), from the method `algorithm.name`
+    registers (`verl_dmd.algorithms`).
     """
 
     name: ClassVar[str] = ""
     model_class: ClassVar[type[nn.Module]]
     parameterization: ClassVar[str] = "velocity"
+    """What `predict` returns: velocity (eps - x0, the flow families), epsilon or x0."""
+    sigma_max: ClassVar[float] = 1.0
+    """The highest noise level the family samples from and trains its student from. 1 for velocity and x0
+    prediction; an epsilon model has no x0 estimate at 1 (pure noise), so its family sets a level below."""
     default_lora_targets: ClassVar[tuple[str, ...]] = ("to_q", "to_k", "to_v", "to_out.0")
     pipeline_component: ClassVar[str] = "transformer"
     """The model's name in its diffusers pipeline (model_index.json; LoRA keys' prefix)."""
@@ -90,20 +101,38 @@ class DistributionMatchingModelAdapter:
         return model
 
     def build_distribution_matching_computer(self, model_config: Any, plan: Any, *, rank: int = 0):
-        """The phase computer for this family and `plan.algorithm` (DMD2 unless a subclass says otherwise).
+        """The phase computer of `plan.algorithm.name` for this family (a method of `verl_dmd.algorithms`).
 
-        `model_config` is the plan's model spec (`plan.model`), for families whose
-        computer depends on it; the computer's random streams are seeded from
-        `plan.trainer.seed` and `rank`.
+        `model_config` is the plan's model section, handed to the method for computers that depend on
+        the layout or numerics; the computer's random streams are seeded from `plan.trainer.seed` and
+        `rank`. An unknown method name is a one-line error listing the registered ones.
         """
-        if plan.algorithm.name != "dmd2":
-            raise ValueError(
-                f"config key 'algorithm.name' = {plan.algorithm.name!r}: adapter {self.name!r} builds only "
-                "'dmd2'; fix: set algorithm.name=dmd2"
-            )
-        from verl_dmd.algorithms.dmd2 import DMD2Computer
+        from verl_dmd.algorithms.registry import get_method
 
-        return DMD2Computer(self, plan.algorithm, seed=plan.trainer.seed, rank=rank)
+        return get_method(plan.algorithm.name).from_plan(self, model_config, plan, rank=rank)
+
+    # ------------------------------------------------------------------ the parameterization
+
+    def add_noise(self, x0: torch.Tensor, eps: torch.Tensor, sigma) -> torch.Tensor:
+        """`x0` noised to level `sigma` (the flow interpolation ``(1 - sigma) x0 + sigma eps``)."""
+        return losses.add_noise(x0, eps, sigma)
+
+    def to_x0(self, x_t: torch.Tensor, prediction: torch.Tensor, sigma) -> torch.Tensor:
+        """The x0 estimate of a `predict` output at level `sigma`."""
+        return losses.x0_from_prediction(self.parameterization, x_t, prediction, sigma)
+
+    def prediction_target(self, x0: torch.Tensor, eps: torch.Tensor, sigma) -> torch.Tensor:
+        """What `predict` should return at ``add_noise(x0, eps, sigma)`` (the denoising loss's target)."""
+        return losses.prediction_target(self.parameterization, x0, eps)
+
+    def ode_step(self, x_t: torch.Tensor, prediction: torch.Tensor, sigma, next_sigma) -> torch.Tensor:
+        """One step of the probability-flow ODE from `sigma` to `next_sigma` (the teacher's sampler)."""
+        return losses.ode_step(self.parameterization, x_t, prediction, sigma, next_sigma)
+
+    def null_class(self, model: nn.Module) -> int | None:
+        """The class label meaning "no class" (classifier-free guidance of class-conditional families), or
+        None for families conditioned otherwise (text embeddings)."""
+        return None
 
     def gan_feature_module(self, model: nn.Module) -> nn.Module:
         """The block whose output the GAN head reads: by default the last FSDP unit."""

@@ -233,8 +233,8 @@ class DiTAdapter(DistributionMatchingModelAdapter):
             hidden_states=x_t, timestep=sigma * 1000.0, class_labels=cond["class_labels"], return_dict=False
         )[0]
 
-    @staticmethod
-    def null_class(model: nn.Module) -> int:
+    def null_class(self, model: nn.Module) -> int:
+        """The extra row of the label table (``num_embeds_ada_norm``)."""
         return int(model.config.num_embeds_ada_norm)
 
     def example_batch(self, model, batch_size, generator):

@@ -1,6 +1,9 @@
 """The DMD2 phase computer: student (distribution matching) and fake-score (denoising) phases.
 
-Conventions are those of docs/dmd2.md; the math is `verl_dmd.losses`.
+Conventions are those of docs/dmd2.md; the math is `verl_dmd.losses`, the samplers
+`verl_dmd.algorithms.sampling`, and every conversion between the model's prediction,
+x0 and noise goes through the model adapter's parameterization. Registered as
+``algorithm.name=dmd2``.
 
 Batch contract (per rank, split into micro-batches by the runtime):
 - ``noise``: the student's starting noise, shape (B, *latent); the data provider
@@ -33,40 +36,24 @@ import torch
 from torch import nn
 
 from verl_dmd import losses
-from verl_dmd.adapters.base import DistributionMatchingModelAdapter
-from verl_dmd.phases import PhaseOutput, PhaseRequest, Role
-from verl_dmd.plan import AlgorithmSpec
+from verl_dmd.algorithms.registry import register_method
+from verl_dmd.algorithms.sampling import draw_normal, student_sample, to_like, trained_schedule
+from verl_dmd.batch import prefixed
+from verl_dmd.phases import ExtraModule, PhaseOutput, PhaseRequest, PhaseRuntime, Role
+from verl_dmd.seeding import stream_seed
 
 COND, UNCOND, REGRESSION, REAL = "cond.", "uncond.", "regression.", "real."
 
-
-def _prefixed(batch: Mapping[str, Any], prefix: str) -> dict[str, Any]:
-    return {k[len(prefix) :]: v for k, v in batch.items() if k.startswith(prefix)}
-
-
-def _to_like(tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """A host tensor on `like`'s device and dtype, converted on the host (as a blocking copy converts).
-
-    To a GPU it goes through pinned memory without waiting: a copy from pageable memory makes the
-    host wait until the device has run everything queued before it, and the device then idles while
-    the host prepares the next work (the noise draws of a phase took ~60 ms a phase at batch 8).
-    """
-    tensor = tensor.to(like.dtype)
-    if like.device.type == "cuda" and tensor.device.type == "cpu":
-        return tensor.pin_memory().to(like.device, non_blocking=True)
-    return tensor.to(like.device)
-
-
-def _draw(shape, generator: torch.Generator, like: torch.Tensor) -> torch.Tensor:
-    """Standard normal noise from a CPU generator, moved to `like`'s device and dtype."""
-    return _to_like(torch.randn(shape, generator=generator, dtype=torch.float32), like)
+GAN_HEAD = "dmd_gan_head"
+"""Submodule name of the GAN head on the model that holds the fake score (checkpoint keys contain it)."""
 
 
 class GanHead(nn.Module):
     """DMD2's discriminator head on fake-score features: mean over tokens, norm, a 2-layer MLP, one logit.
 
     It is a parameter group of the fake-score role (trained by the fake-score
-    optimizer); the role engine attaches it to the model that holds the fake score.
+    optimizer); the computer declares it (`DMD2Computer.extra_modules`) and the role
+    engine attaches it to the model that holds the fake score.
     """
 
     def __init__(self, dim: int) -> None:
@@ -81,16 +68,28 @@ class GanHead(nn.Module):
         return self.mlp(self.norm(features))
 
 
+@register_method("dmd2")
 class DMD2Computer:
     """Computes one micro-batch of a DMD2 student or fake-score phase; see the module docstring."""
 
-    def __init__(
-        self, adapter: DistributionMatchingModelAdapter, algorithm: AlgorithmSpec, *, seed: int, rank: int
-    ) -> None:
+    @classmethod
+    def from_plan(cls, adapter, model_config, plan, *, rank: int) -> DMD2Computer:
+        """The computer of `plan.algorithm` for `adapter`'s family (`model_config`: the plan's model
+        section, which DMD2 does not read: its math is the same for every layout)."""
+        return cls(adapter, plan.algorithm, seed=plan.trainer.seed, rank=rank)
+
+    def __init__(self, adapter, algorithm, *, seed: int, rank: int) -> None:
         if algorithm.student_steps > 1 and not algorithm.backward_simulation:
             raise ValueError(
                 "config key 'algorithm.backward_simulation' = False: not supported by this version's DMD2 "
                 "computer (multi-step training on noised real data is not built); fix: leave it at true"
+            )
+        top = float(adapter.sigma_max)
+        if algorithm.student_sigmas is not None and algorithm.student_sigmas[0] > top:
+            raise ValueError(
+                f"config key 'algorithm.student_sigmas' = {list(algorithm.student_sigmas)}: model adapter "
+                f"{adapter.name!r} ({adapter.parameterization} prediction) samples from noise levels up to "
+                f"{top}; fix: start the schedule at or below {top}, or leave it null"
             )
         self.adapter = adapter
         self.algorithm = algorithm
@@ -98,8 +97,17 @@ class DMD2Computer:
         self.rank = rank
         self.local = torch.Generator().manual_seed(seed * 1_000_003 + 1 + rank)
         self.shared = torch.Generator().manual_seed(seed * 1_000_003)
-        self.schedule = losses.student_sigma_schedule(
-            algorithm.student_steps, shift=algorithm.sigma_shift, sigmas=algorithm.student_sigmas
+        self.schedule = trained_schedule(algorithm, top)
+        # the teacher's CFG scale in the standard form: 1 means no guidance (no unconditional forward)
+        self.guidance = losses.standard_guidance_scale(algorithm.teacher_guidance_scale, algorithm.cfg_form)
+
+    def extra_modules(self) -> tuple[ExtraModule, ...]:
+        """The GAN head, when the discriminator term is on: a fake-score module on the fake score's model."""
+        if self.algorithm.gan_discriminator_weight == 0:
+            return ()
+        adapter = self.adapter
+        return (
+            ExtraModule(GAN_HEAD, Role.FAKE_SCORE, lambda model: GanHead(adapter.gan_feature_dim(model))),
         )
 
     # ------------------------------------------------------------------ sampling
@@ -113,59 +121,59 @@ class DMD2Computer:
     def student_sample(
         self, module, noise: torch.Tensor, cond: Mapping[str, Any], *, exit_index: int, grad: bool
     ) -> torch.Tensor:
-        """The student's x0 estimate at step `exit_index` of its schedule, starting from `noise`.
+        """The student's x0 estimate at step `exit_index` of its schedule, starting from `noise`; the
+        re-noising before the exit draws from the per-rank generator."""
 
-        Steps before the exit run without grad (predict x0, re-noise with fresh noise
-        to the next level); the exit step runs with grad if `grad`.
-        """
-        x_t = noise
-        batch = noise.shape[0]
-        for step in range(exit_index + 1):
-            sigma = _to_like(self.schedule[step], noise).expand(batch)
-            with torch.set_grad_enabled(grad and step == exit_index):
-                velocity = self.adapter.predict(module, x_t, sigma, cond)
-                x0 = losses.x0_from_velocity(x_t, velocity, sigma)
-            if step < exit_index:
-                next_sigma = _to_like(self.schedule[step + 1], noise).expand(batch)
-                x_t = losses.add_noise(x0.detach(), _draw(noise.shape, self.local, noise), next_sigma)
-        return x0
+        def renoise(step: int, x0: torch.Tensor) -> torch.Tensor:
+            return draw_normal(noise.shape, self.local, noise)
+
+        return student_sample(
+            self.adapter, module, noise, cond, self.schedule, renoise=renoise, last=exit_index, grad=grad
+        )
 
     def _sigmas(self, batch: int, low: float, high: float, like: torch.Tensor) -> torch.Tensor:
         sigma = losses.sample_sigmas(
             batch, generator=self.local, sigma_min=low, sigma_max=high, shift=self.algorithm.sigma_shift
         )
-        return _to_like(sigma, like)
+        return to_like(sigma, like)
 
     # ------------------------------------------------------------------ phases
 
     def compute_phase(
-        self, request: PhaseRequest, batch, runtime, *, micro_batch_index: int, num_micro_batches: int
+        self,
+        request: PhaseRequest,
+        batch,
+        runtime: PhaseRuntime,
+        *,
+        micro_batch_index: int,
+        num_micro_batches: int,
     ) -> PhaseOutput:
         if request.role is Role.STUDENT:
             return self._student_phase(batch, runtime)
         return self._fake_score_phase(batch, runtime)
 
-    def _student_phase(self, batch, runtime) -> PhaseOutput:
-        alg = self.algorithm
-        noise, cond = batch["noise"], _prefixed(batch, COND)
+    def _student_phase(self, batch, runtime: PhaseRuntime) -> PhaseOutput:
+        alg, adapter = self.algorithm, self.adapter
+        noise, cond = batch["noise"], prefixed(batch, COND)
         exit_index = self.exit_index()
-        x = self.student_sample(
-            runtime.engine.module_for(Role.STUDENT), noise, cond, exit_index=exit_index, grad=True
-        )
+        student = runtime.module_for(Role.STUDENT)
+        x = self.student_sample(student, noise, cond, exit_index=exit_index, grad=True)
         sigma = self._sigmas(x.shape[0], alg.sigma_min, alg.sigma_max, x)
-        eps = _draw(x.shape, self.local, x)
+        eps = draw_normal(x.shape, self.local, x)
         with torch.no_grad():
-            x_t = losses.add_noise(x.detach(), eps, sigma)
+            x_t = adapter.add_noise(x.detach(), eps, sigma)
             with runtime.use_role(Role.FAKE_SCORE) as fake:
-                x0_fake = losses.x0_from_velocity(x_t, self.adapter.predict(fake, x_t, sigma, cond), sigma)
+                x0_fake = adapter.to_x0(x_t, adapter.predict(fake, x_t, sigma, cond), sigma)
             with runtime.use_role(Role.TEACHER) as teacher:
-                v_cond = self.adapter.predict(teacher, x_t, sigma, cond)
-                if self._guided:
-                    v_uncond = self.adapter.predict(teacher, x_t, sigma, self._uncond(batch))
-                    v_cond = losses.classifier_free_guidance(
-                        v_uncond, v_cond, alg.teacher_guidance_scale, alg.cfg_form
+                real = adapter.predict(teacher, x_t, sigma, cond)
+                if self.guidance != 1.0:
+                    real = losses.classifier_free_guidance(
+                        adapter.predict(teacher, x_t, sigma, self._uncond(batch)),
+                        real,
+                        alg.teacher_guidance_scale,
+                        alg.cfg_form,
                     )
-            x0_real = losses.x0_from_velocity(x_t, v_cond, sigma)
+            x0_real = adapter.to_x0(x_t, real, sigma)
         dmd = losses.dmd_gradient(
             x, x0_fake, x0_real, normalizer=alg.dmd_normalizer, eps=alg.dmd_normalizer_eps
         )
@@ -184,25 +192,25 @@ class DMD2Computer:
             wide = torch.promote_types(x.dtype, torch.float32)  # float32 or wider, as the DMD term
             loss = loss + alg.gan_generator_weight * (x.to(wide) * grad_x.to(wide)).sum()
         if alg.regression_weight > 0:
-            regression = self._regression_loss(batch, runtime.engine.module_for(Role.STUDENT))
+            regression = self._regression_loss(batch, student)
             metrics["regression_loss"] = regression.detach()
             loss = loss + alg.regression_weight * regression
         return PhaseOutput(loss=loss, metrics=metrics)
 
-    def _gan_generator_gradient(self, x, eps, sigma, cond, runtime) -> tuple[torch.Tensor, torch.Tensor]:
+    def _gan_generator_gradient(self, x, eps, sigma, cond, runtime: PhaseRuntime):
         """L_g = mean softplus(-D(x_t)) at the DMD term's noise level and eps, and dL_g/dx."""
         x = x.requires_grad_(True)
         with runtime.use_role(Role.FAKE_SCORE) as fake, torch.enable_grad():
             _, features = self.adapter.predict_with_features(
-                fake, losses.add_noise(x, eps, sigma), sigma, cond
+                fake, self.adapter.add_noise(x, eps, sigma), sigma, cond
             )
-            generator = losses.gan_generator_loss(runtime.engine.gan_head(features))
+            generator = losses.gan_generator_loss(runtime.extra_module(GAN_HEAD)(features))
             (grad_x,) = torch.autograd.grad(generator, x)
         return generator.detach(), grad_x
 
     def _regression_loss(self, batch, student) -> torch.Tensor:
         """DMD v1's term: the student's first-step x0 from paired noise against the teacher's sample."""
-        pairs = _prefixed(batch, REGRESSION)
+        pairs = prefixed(batch, REGRESSION)
         missing = [k for k in ("noise", "target") if k not in pairs]
         if missing:
             raise ValueError(
@@ -210,51 +218,47 @@ class DMD2Computer:
                 f"batch has no {', '.join(REGRESSION + k for k in missing)}; fix: give the data provider "
                 "data.regression_pairs_path, or set algorithm.regression_weight=0"
             )
-        x = self.student_sample(student, pairs["noise"], _prefixed(pairs, COND), exit_index=0, grad=True)
+        x = self.student_sample(student, pairs["noise"], prefixed(pairs, COND), exit_index=0, grad=True)
         return losses.regression_loss(x, pairs["target"])
 
-    def _fake_score_phase(self, batch, runtime) -> PhaseOutput:
-        alg = self.algorithm
-        noise, cond = batch["noise"], _prefixed(batch, COND)
+    def _fake_score_phase(self, batch, runtime: PhaseRuntime) -> PhaseOutput:
+        alg, adapter = self.algorithm, self.adapter
+        noise, cond = batch["noise"], prefixed(batch, COND)
         exit_index = self.exit_index()
         with torch.no_grad(), runtime.use_role(Role.STUDENT) as student:
             x = self.student_sample(student, noise, cond, exit_index=exit_index, grad=False)
         sigma = self._sigmas(x.shape[0], alg.fake_sigma_min, alg.fake_sigma_max, x)
-        eps = _draw(x.shape, self.local, x)
-        x_t = losses.add_noise(x, eps, sigma)
-        fake = runtime.engine.module_for(Role.FAKE_SCORE)
+        eps = draw_normal(x.shape, self.local, x)
+        x_t = adapter.add_noise(x, eps, sigma)
+        fake = runtime.module_for(Role.FAKE_SCORE)
+        weight = losses.fake_score_weight(alg.fake_score_weighting, adapter.parameterization, sigma)
         if alg.gan_discriminator_weight == 0:
-            velocity = self.adapter.predict(fake, x_t, sigma, cond)
-            loss = losses.fake_score_loss(velocity, x, eps)
+            prediction = adapter.predict(fake, x_t, sigma, cond)
+            loss = losses.fake_score_loss(prediction, adapter.prediction_target(x, eps, sigma), weight)
             return PhaseOutput(loss=loss, metrics={"fake_loss": loss.detach()})
         # DMD2's discriminator: the head on fake-score features, student samples vs real data noised
         # to the same levels; it trains the head and the fake score together.
-        real = _prefixed(batch, REAL)
+        real = prefixed(batch, REAL)
         if "x0" not in real:
             raise ValueError(
                 f"algorithm.gan_discriminator_weight = {alg.gan_discriminator_weight} needs real data, but the "
                 "batch has no real.x0; fix: use a data provider with real samples (digits has them), or set "
                 "the GAN weights to 0"
             )
-        velocity, fake_features = self.adapter.predict_with_features(fake, x_t, sigma, cond)
-        denoise = losses.fake_score_loss(velocity, x, eps)
+        prediction, fake_features = adapter.predict_with_features(fake, x_t, sigma, cond)
+        denoise = losses.fake_score_loss(prediction, adapter.prediction_target(x, eps, sigma), weight)
         x_real = real["x0"]
-        x_t_real = losses.add_noise(x_real, _draw(x_real.shape, self.local, x_real), sigma)
-        _, real_features = self.adapter.predict_with_features(fake, x_t_real, sigma, _prefixed(real, COND))
-        head = runtime.engine.gan_head
+        x_t_real = adapter.add_noise(x_real, draw_normal(x_real.shape, self.local, x_real), sigma)
+        _, real_features = adapter.predict_with_features(fake, x_t_real, sigma, prefixed(real, COND))
+        head = runtime.extra_module(GAN_HEAD)
         discriminator = losses.gan_discriminator_loss(head(fake_features), head(real_features))
         loss = denoise + alg.gan_discriminator_weight * discriminator
         metrics = {"fake_loss": denoise.detach(), "gan_discriminator_loss": discriminator.detach()}
         return PhaseOutput(loss=loss, metrics=metrics)
 
-    @property
-    def _guided(self) -> bool:
-        alg = self.algorithm
-        return alg.teacher_guidance_scale != (1.0 if alg.cfg_form == "standard" else 0.0)
-
     @staticmethod
     def _uncond(batch) -> dict[str, Any]:
-        uncond = _prefixed(batch, UNCOND)
+        uncond = prefixed(batch, UNCOND)
         if not uncond:
             raise ValueError(
                 "algorithm.teacher_guidance_scale asks for classifier-free guidance but the batch has no "
@@ -278,7 +282,5 @@ class DMD2Computer:
         Hashed from (seed, salt, rank), so they neither repeat the run's first draws
         nor collide across ranks; the shared stream stays equal on every rank.
         """
-        from verl_dmd.checkpoint.composite import stream_seed
-
         self.local.manual_seed(stream_seed(self.seed, "dmd2.local", salt, self.rank))
         self.shared.manual_seed(stream_seed(self.seed, "dmd2.shared", salt))

@@ -13,15 +13,13 @@ from typing import Any
 
 import torch
 
-from verl_dmd.adapters.base import DistributionMatchingModelAdapter
-from verl_dmd.phases import PhaseOutput, PhaseRequest, Role
+from verl_dmd.batch import prefixed
+from verl_dmd.phases import PhaseOutput, PhaseRequest, PhaseRuntime, Role
 
 COND_PREFIX = "cond."
 
 
-def regression_batch(
-    adapter: DistributionMatchingModelAdapter, model: torch.nn.Module, batch_size: int, seed: int
-) -> dict[str, torch.Tensor]:
+def regression_batch(adapter, model: torch.nn.Module, batch_size: int, seed: int) -> dict[str, torch.Tensor]:
     """A deterministic batch for `ReferenceRegressionComputer`: x_t, sigma, target and cond.* tensors."""
     generator = torch.Generator().manual_seed(seed)
     x0, cond = adapter.example_batch(model, batch_size, generator)
@@ -42,7 +40,7 @@ class ReferenceRegressionComputer:
 
     def __init__(
         self,
-        adapter: DistributionMatchingModelAdapter,
+        adapter,
         *,
         frozen_mix: float = 0.1,
         normalizer: str = "mean",
@@ -62,15 +60,21 @@ class ReferenceRegressionComputer:
         self.calls = 0
 
     def _predict(self, module, batch: Mapping[str, Any]) -> torch.Tensor:
-        cond = {k[len(COND_PREFIX) :]: v for k, v in batch.items() if k.startswith(COND_PREFIX)}
-        return self.adapter.predict(module, batch["x_t"], batch["sigma"], cond)
+        return self.adapter.predict(module, batch["x_t"], batch["sigma"], prefixed(batch, COND_PREFIX))
 
-    def compute_phase(self, request: PhaseRequest, batch, runtime, *, micro_batch_index, num_micro_batches):
+    def compute_phase(
+        self, request: PhaseRequest, batch, runtime: PhaseRuntime, *, micro_batch_index, num_micro_batches
+    ):
         self.calls += 1
-        if self.leak_frozen:
-            for p in runtime.engine.frozen_params:
-                p.requires_grad_(True)
-        prediction = self._predict(runtime.engine.module_for(request.role), batch)
+        if self.leak_frozen:  # unfreeze every frozen weight of every role's model (the base, other roles)
+            models = {
+                id(m): m for m in map(runtime.module_for, (Role.TEACHER, Role.STUDENT, Role.FAKE_SCORE))
+            }
+            for model in models.values():
+                for p in model.parameters():
+                    if not p.requires_grad:
+                        p.requires_grad_(True)
+        prediction = self._predict(runtime.module_for(request.role), batch)
         target = batch["target"]
         if request.role is Role.STUDENT and self.frozen_mix:
             with torch.no_grad():
@@ -88,8 +92,14 @@ class ReferenceRegressionComputer:
             count = None
         return PhaseOutput(loss=loss, metrics={"mse": loss.detach()}, loss_normalizer=count)
 
+    def extra_modules(self) -> tuple:
+        return ()
+
     def state_dict(self) -> dict[str, Any]:
         return {"calls": self.calls}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.calls = int(state["calls"])
+
+    def reseed(self, salt: int) -> None:
+        """No random streams: nothing to re-seed."""

@@ -15,7 +15,6 @@ Every function here is collective over the default process group.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ import torch.distributed as dist
 
 from verl_dmd.checkpoint.engine_state import load_engine, load_schedule_state, save_engine, schedule_state
 from verl_dmd.checkpoint.store import Checkpoint, CheckpointError, CheckpointStore
+from verl_dmd.seeding import stream_seed
 
 ENGINE_DIR = "engine"
 RNG_DIR = "rng"
@@ -54,13 +54,6 @@ def capture_rng() -> dict[str, torch.Tensor]:
     return state
 
 
-def stream_seed(*parts: object) -> int:
-    """A 64-bit seed hashed from `parts` (torch's CPU generator keeps only a seed's low 32 bits, so
-    arithmetic on seeds can collide; hashing cannot in practice)."""
-    digest = hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little")
-
-
 def restore_rank_state(loaded: LoadedCheckpoint, *, seed: int, rank: int, computer=None) -> None:
     """Put this rank's random streams where the checkpoint left them.
 
@@ -82,7 +75,7 @@ def restore_rank_state(loaded: LoadedCheckpoint, *, seed: int, rank: int, comput
     torch.manual_seed(stream_seed(seed, "torch", loaded.global_step, rank))
     np.random.seed(stream_seed(seed, "numpy", loaded.global_step, rank) % 2**32)
     random.seed(stream_seed(seed, "python", loaded.global_step, rank))
-    if computer is not None and hasattr(computer, "reseed"):
+    if computer is not None:
         computer.reseed(loaded.global_step)
 
 
@@ -153,13 +146,20 @@ class LoadedCheckpoint:
 
 
 def check_plan(checkpoint: Checkpoint, plan) -> None:
-    """Fail, naming every differing semantic key with both values, if the checkpoint's plan differs."""
+    """Fail, naming every differing semantic key with both values, if the checkpoint's plan differs.
+
+    A key the checkpoint's plan lacks because a later verl_dmd added it is no difference while this
+    plan holds it at its default (`DistillationPlan.semantic_differences`), so checkpoints written
+    before a key existed still resume.
+    """
     if checkpoint.manifest["plan_fingerprint"] == plan.fingerprint():
         return
     saved = checkpoint.manifest.get("plan")
     if not isinstance(saved, dict):
         raise CheckpointError(f"{checkpoint.path}: written under another plan (fingerprint differs)")
     differences = plan.semantic_differences(saved)
+    if not differences:
+        return
     listed = "; ".join(f"{key}: checkpoint {old!r}, now {new!r}" for key, old, new in differences)
     raise CheckpointError(
         f"{checkpoint.path} was written under a different plan ({listed}); fix: resume with the "

@@ -20,27 +20,37 @@ it comes from ``model.teacher`` again, as it does on resume). Layout of
 
 Every tensor is checked for completeness (exactly the role's parameters, no more,
 no fewer) and finiteness before anything is written; the directory appears
-atomically (written under a temporary name, then renamed).
+atomically (written under a temporary name, then renamed). Which keys hold the
+role and which model they go into is the storage layout's answer
+(`verl_dmd.runtime.layouts`), not re-derived here.
+
+An export directory that exists already is refused (`if_exists="fail"`, the
+default), or, for the trainer's export at the end of a run (`if_exists="reuse"`),
+kept when it holds this very checkpoint's export (its `export.json` names the
+checkpoint's manifest digest) and replaced otherwise.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
 import time
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from verl_dmd.checkpoint.composite import ENGINE_DIR, check_plan
-from verl_dmd.checkpoint.store import CheckpointStore
+from verl_dmd.checkpoint.store import Checkpoint, CheckpointStore, file_sha256
 from verl_dmd.phases import Role
+from verl_dmd.runtime import lora
+from verl_dmd.runtime.layouts import StorageLayout, layout_for
+from verl_dmd.runtime.naming import RoleTensors, canonical_name
 
 PEFT_DIR, DIFFUSERS_DIR, PIPELINE_DIR = "peft", "diffusers", "pipeline"
 PEFT_WEIGHTS = "adapter_model.safetensors"
@@ -49,7 +59,6 @@ DIFFUSERS_LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
 EXPORT_INFO = "export.json"
 PEFT_PREFIX = "base_model.model."
 """Key prefix of PeftModel.save_pretrained's files (a PeftModel wraps the model twice)."""
-_LORA_PARTS = (".lora_A.", ".lora_B.", ".lora_embedding_A.", ".lora_embedding_B.", ".lora_magnitude_vector.")
 
 
 class ExportError(ValueError):
@@ -61,20 +70,18 @@ def export_root(plan) -> Path:
     return Path(plan.export.output_dir or Path(plan.trainer.output_dir) / "export")
 
 
-def dmd2_config(plan) -> dict[str, Any]:
+def dmd2_config(plan, sigma_max: float = 1.0) -> dict[str, Any]:
     """How to sample the exported student: its step count, timesteps (sigma x 1000), solver, guidance.
 
     The student re-noises its x0 prediction with fresh noise between steps (``sde``);
     the teacher's guidance is distilled into it, so it samples without CFG (scale 1).
+    `sigma_max` is the model adapter's highest noise level (the schedule starts there).
     """
-    from verl_dmd.losses import student_sigma_schedule
+    from verl_dmd.algorithms.sampling import trained_schedule
 
-    algorithm = plan.algorithm
-    schedule = student_sigma_schedule(
-        algorithm.student_steps, shift=algorithm.sigma_shift, sigmas=algorithm.student_sigmas
-    )
+    schedule = trained_schedule(plan.algorithm, sigma_max)
     return {
-        "num_inference_steps": algorithm.student_steps,
+        "num_inference_steps": plan.algorithm.student_steps,
         "denoising_timesteps": [round(float(s) * 1000.0, 4) for s in schedule[:-1]],
         "solver": "sde",
         "guidance_scale": 1.0,
@@ -84,29 +91,12 @@ def dmd2_config(plan) -> dict[str, Any]:
 # --------------------------------------------------------------------------- reading the role
 
 
-def _canonical(name: str) -> str:
-    from verl_dmd.runtime.engine import canonical_name
-
-    return canonical_name(name)
-
-
-def _role_selection(plan, role: Role) -> tuple[str, str | None]:
-    """(DCP key prefix, LoRA adapter name or None for full weights) of `role`'s tensors."""
-    if plan.model.storage == "shared_base_adapters":
-        return "param/base.", role.value
-    lora = plan.model.student.lora.enabled
-    prefix = "ema/student." if role is Role.STUDENT_EMA else "param/student."
-    return prefix, (Role.STUDENT.value if lora else None)
-
-
-def read_role_tensors(engine_dir: Path, plan, role: Role) -> tuple[str | None, dict[str, torch.Tensor]]:
-    """The role's full tensors by parameter name, read from DCP without a process group."""
+def read_role_tensors(engine_dir: Path, selection: RoleTensors) -> dict[str, torch.Tensor]:
+    """The tensors `selection` names, full size, by parameter name, read from DCP without a process group."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from verl_dmd.runtime.engine import _adapter_of
-
-    prefix, adapter_name = _role_selection(plan, role)
+    prefix, adapter_name = selection.prefix, selection.adapter
     reader = dcp.FileSystemReader(str(engine_dir))
     metadata = reader.read_metadata().state_dict_metadata
     template: dict[str, torch.Tensor] = {}
@@ -114,43 +104,28 @@ def read_role_tensors(engine_dir: Path, plan, role: Role) -> tuple[str | None, d
         if not key.startswith(prefix) or not isinstance(meta, TensorStorageMetadata):
             continue
         name = key[len(prefix) :]
-        if adapter_name is not None and _adapter_of(name) != adapter_name:
+        if adapter_name is not None and lora.adapter_of(name) != adapter_name:
             continue
         template[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
     if not template:
         raise ExportError(
-            f"{engine_dir}: no tensors of role {role.value} (keys {prefix}*"
-            f"{'' if adapter_name is None else f' of adapter {adapter_name}'}); fix: export a checkpoint "
+            f"{engine_dir}: no tensors under {prefix}*"
+            f"{'' if adapter_name is None else f' of adapter {adapter_name}'}; fix: export a checkpoint "
             "written by this plan's layout"
         )
     with warnings.catch_warnings():  # one process on purpose, whatever the world size that saved it
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(template, storage_reader=reader, no_dist=True)
-    return adapter_name, {_canonical(key[len(prefix) :]): tensor for key, tensor in template.items()}
-
-
-def build_role_model(plan, adapter) -> nn.Module:
-    """The model the role's tensors go into, built as the engine builds it (same seed, same order)."""
-    from verl_dmd.adapters.base import ModelSource
-
-    torch.manual_seed(plan.trainer.seed)  # config-built (random) bases must match the engine's
-    model = adapter.build_model(ModelSource.of(plan.model.teacher))
-    if plan.model.storage == "independent":
-        source = ModelSource.of(plan.model.student)
-        if not source.is_empty:
-            model = adapter.build_model(source)
-    return model
+    return {canonical_name(key[len(prefix) :]): tensor for key, tensor in template.items()}
 
 
 def _load_exactly(
     model: nn.Module, tensors: dict[str, torch.Tensor], adapter_name: str | None, where
 ) -> None:
-    from verl_dmd.runtime.engine import _adapter_of
-
     expected = {
         name
         for name, _ in model.named_parameters()
-        if adapter_name is None or _adapter_of(name) == adapter_name
+        if adapter_name is None or lora.adapter_of(name) == adapter_name
     }
     missing, unexpected = sorted(expected - tensors.keys()), sorted(tensors.keys() - expected)
     if missing or unexpected:
@@ -183,15 +158,33 @@ def check_finite(tensors: dict[str, torch.Tensor], where: str) -> None:
             )
 
 
+@dataclass
+class LoadedRole:
+    """A role read from a checkpoint into its model (LoRA adapter injected, not merged)."""
+
+    model: nn.Module
+    base_keys: set[str]
+    """The state-dict keys of the bare model (what a merged model must have)."""
+    selection: RoleTensors
+    tensor_count: int
+
+
+def load_role(layout: StorageLayout, found: Checkpoint, role: Role) -> LoadedRole:
+    """The model holding `role`'s trained weights, built as the engine builds it and filled exactly."""
+    where = f"{found.path} ({role.value})"
+    selection = layout.role_tensors(role)
+    tensors = read_role_tensors(found.path / ENGINE_DIR, selection)
+    check_finite(tensors, where)
+    layout.seed()  # a config-built base must draw what the engine drew
+    model = layout.build_role_model(role)
+    base_keys = set(model.state_dict())
+    layout.add_role_adapter(model, role)
+    _load_exactly(model, tensors, selection.adapter, where)
+    model.eval()
+    return LoadedRole(model, base_keys, selection, len(tensors))
+
+
 # --------------------------------------------------------------------------- writing
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _json_ready(config: dict[str, Any]) -> dict[str, Any]:
@@ -203,6 +196,18 @@ def _json_ready(config: dict[str, Any]) -> dict[str, Any]:
             value = value.value  # enums such as PeftType
         out[key] = value
     return out
+
+
+def _peft_base_path(plan, log: Callable[[str], None]) -> str | None:
+    """The directory the student's adapter applies to (named in adapter_config.json), or None."""
+    student = plan.model.student
+    if plan.model.storage == "independent" and student.path:
+        return student.path
+    if plan.model.storage == "independent" and student.config is not None:
+        log("export: note: the student's base was built from model.student.config, not the teacher; "
+            "load the adapter onto that model")  # fmt: skip
+        return None  # a config-built base: no directory to name
+    return plan.model.teacher.path
 
 
 def _write_peft(
@@ -234,18 +239,20 @@ def _write_peft(
     )
 
 
-def _merge_and_unload(model: nn.Module, adapter_name: str) -> None:
-    """Fold the adapter into its base layers (PEFT's own merge) and put the base layers back."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    tuners = [(name, module) for name, module in model.named_modules() if isinstance(module, BaseTunerLayer)]
-    for name, module in tuners:
-        module.merge(safe_merge=True, adapter_names=[adapter_name])
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, module.get_base_layer())
-    if hasattr(model, "peft_config"):
-        del model.peft_config
+def _merge(model: nn.Module, base_keys: set[str], adapter_name: str | None, formats, role: Role) -> None:
+    """Fold the adapter (if any) into the model in place, and check the result is the bare model."""
+    if not hasattr(model, "save_pretrained"):
+        raise ExportError(
+            f"config key 'export.formats' = {list(formats)}: {type(model).__name__} has no diffusers "
+            "save_pretrained; fix: export peft only"
+        )
+    if adapter_name is not None:
+        lora.merge_and_unload(model, adapter_name)
+    state = model.state_dict()
+    if set(state) != base_keys:
+        odd = sorted(set(state) ^ base_keys)
+        raise ExportError(f"merged {type(model).__name__} does not have its own parameter names ({odd[0]})")
+    check_finite(state, f"merged {role.value}")
 
 
 def _link_or_copy_tree(source: Path, target: Path, skip: str) -> None:
@@ -284,32 +291,25 @@ def _pipeline_source(plan, component: str) -> tuple[Path, dict[str, Any]]:
     return source, index
 
 
-def export_checkpoint(
-    plan,
-    checkpoint: str | Path,
-    *,
-    role: str | Role | None = None,
-    formats: tuple[str, ...] | None = None,
-    output_dir: str | Path | None = None,
-    log: Callable[[str], None] = print,
-) -> Path:
-    """Export `role` (default export.role) of `checkpoint` in `formats` (default export.formats).
+def _write_pipeline(
+    model: nn.Module, pipeline: tuple[Path, dict[str, Any]], component: str, config, out: Path
+) -> None:
+    source, index = pipeline
+    out.mkdir()
+    _link_or_copy_tree(source, out, skip=component)
+    model.save_pretrained(str(out / component), safe_serialization=True)
+    index = {**index, "dmd2_config": config}
+    (out / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
-    The checkpoint is verified (sizes and SHA-256) and its plan compared with
-    `plan` before anything is read. Returns the written directory.
-    """
-    from verl_dmd.adapters import get_adapter
 
-    role = Role(role or plan.export.role)
-    formats = tuple(formats or plan.export.formats)
+def _check_request(plan, role: Role, formats: tuple[str, ...]) -> None:
     if role not in (Role.STUDENT, Role.STUDENT_EMA):
         raise ExportError(f"config key 'export.role' = {role.value!r}: allowed: student, student_ema")
     if role is Role.STUDENT_EMA and not plan.ema.enabled:
         raise ExportError(
             "config key 'export.role' = 'student_ema': ema.enabled is false; fix: export.role=student"
         )
-    lora = plan.model.student.lora.enabled
-    if "peft" in formats and not lora:
+    if "peft" in formats and not plan.model.student.lora.enabled:
         raise ExportError(
             f"config key 'export.formats' = {list(formats)}: the peft format needs a LoRA student; fix: export "
             "diffusers (and pipeline) only"
@@ -317,6 +317,49 @@ def export_checkpoint(
     if "pipeline" in formats and not plan.export.pipeline_source:
         raise ExportError("config key 'export.pipeline_source' = None: the pipeline format needs it")
 
+
+def _existing_export(target: Path, found: Checkpoint, if_exists: str, log: Callable[[str], None]) -> bool:
+    """True when `target` already holds this checkpoint's export (reuse); clears or refuses it otherwise."""
+    if not target.exists():
+        return False
+    if if_exists == "fail":
+        raise ExportError(
+            f"{target} already exists; fix: remove it, or set export.output_dir to another directory"
+        )
+    info_file = target / EXPORT_INFO
+    try:
+        info = json.loads(info_file.read_text()) if info_file.is_file() else {}
+    except (OSError, ValueError):
+        info = {}
+    if info.get("manifest_sha256") == found.manifest.get("manifest_sha256"):
+        log(f"export: {target} holds this checkpoint's export already")
+        return True
+    log(f"export: {target} holds another run's export (checkpoint {info.get('checkpoint')}); replacing it")
+    shutil.rmtree(target)
+    return False
+
+
+def export_checkpoint(
+    plan,
+    checkpoint: str | Path,
+    *,
+    role: str | Role | None = None,
+    formats: tuple[str, ...] | None = None,
+    output_dir: str | Path | None = None,
+    if_exists: Literal["fail", "reuse"] = "fail",
+    log: Callable[[str], None] = print,
+) -> Path:
+    """Export `role` (default export.role) of `checkpoint` in `formats` (default export.formats).
+
+    The checkpoint is verified (sizes and SHA-256) and its plan compared with `plan` before anything is
+    read. An existing target is refused, or with ``if_exists="reuse"`` kept when it holds this
+    checkpoint's export and replaced otherwise. Returns the written (or kept) directory.
+    """
+    from verl_dmd.adapters import get_adapter
+
+    role = Role(role or plan.export.role)
+    formats = tuple(formats or plan.export.formats)
+    _check_request(plan, role, formats)
     started = time.monotonic()
     found = CheckpointStore.verify(checkpoint, hashes=True)
     check_plan(found, plan)
@@ -328,21 +371,12 @@ def export_checkpoint(
         if output_dir is not None
         else export_root(plan) / f"global_step_{found.global_step}" / role.value
     )
-    if target.exists():
-        raise ExportError(
-            f"{target} already exists; fix: remove it, or set export.output_dir to another directory"
-        )
+    if _existing_export(target, found, if_exists, log):
+        return target
     log(f"export: reading role {role.value} from {found.path}")
-    adapter_name, tensors = read_role_tensors(found.path / ENGINE_DIR, plan, role)
-    check_finite(tensors, f"{found.path} ({role.value})")
-    model = build_role_model(plan, adapter)
-    model_class, base_keys = type(model), set(model.state_dict())
-    if adapter_name is not None:
-        from verl_dmd.runtime.engine import _add_adapter, _lora_config
-
-        _add_adapter(model, _lora_config(plan.model.student.lora, adapter.default_lora_targets), adapter_name)
-    _load_exactly(model, tensors, adapter_name, f"{found.path} ({role.value})")
-    model.eval()
+    loaded = load_role(layout_for(plan, adapter), found, role)
+    model, adapter_name = loaded.model, loaded.selection.adapter
+    config = dmd2_config(plan, adapter.sigma_max)
 
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = target.parent / f".{target.name}.partial-{os.getpid()}"
@@ -351,44 +385,18 @@ def export_checkpoint(
     staging.mkdir()
     try:
         if "peft" in formats:
-            base = plan.model.teacher.path
-            if plan.model.storage == "independent" and plan.model.student.path:
-                base = plan.model.student.path
-            elif plan.model.storage == "independent" and plan.model.student.config is not None:
-                base = None  # a config-built base: no directory to name
-                log("export: note: the student's base was built from model.student.config, not the teacher; "
-                    "load the adapter onto that model")  # fmt: skip
-            _write_peft(model, adapter_name, component, base, staging / PEFT_DIR)
-            log(f"export: wrote the PEFT adapter ({len(tensors)} tensors)")
+            _write_peft(model, adapter_name, component, _peft_base_path(plan, log), staging / PEFT_DIR)
+            log(f"export: wrote the PEFT adapter ({loaded.tensor_count} tensors)")
         if "diffusers" in formats or "pipeline" in formats:
-            if not hasattr(model, "save_pretrained"):
-                raise ExportError(
-                    f"config key 'export.formats' = {list(formats)}: {model_class.__name__} has no diffusers "
-                    "save_pretrained; fix: export peft only"
-                )
-            if adapter_name is not None:
-                _merge_and_unload(model, adapter_name)
-            state = model.state_dict()
-            if set(state) != base_keys:
-                odd = sorted(set(state) ^ base_keys)
-                raise ExportError(
-                    f"merged {model_class.__name__} does not have its own parameter names ({odd[0]})"
-                )
-            check_finite(state, f"merged {role.value}")
+            _merge(model, loaded.base_keys, adapter_name, formats, role)
             if "diffusers" in formats:
                 model.save_pretrained(str(staging / DIFFUSERS_DIR), safe_serialization=True)
                 log("export: wrote the merged diffusers model")
             if pipeline is not None:
-                source, index = pipeline
-                out = staging / PIPELINE_DIR
-                out.mkdir()
-                _link_or_copy_tree(source, out, skip=component)
-                model.save_pretrained(str(out / component), safe_serialization=True)
-                index["dmd2_config"] = dmd2_config(plan)
-                (out / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-                log(f"export: wrote the pipeline from {source} with the student as {component}")
+                _write_pipeline(model, pipeline, component, config, staging / PIPELINE_DIR)
+                log(f"export: wrote the pipeline from {pipeline[0]} with the student as {component}")
         files = {
-            str(path.relative_to(staging)): _sha256(path)
+            str(path.relative_to(staging)): file_sha256(path)
             for path in sorted(staging.rglob("*"))
             if path.is_file()
         }
@@ -400,7 +408,7 @@ def export_checkpoint(
             "role": role.value,
             "formats": list(formats),
             "model_adapter": plan.model.adapter,
-            "dmd2_config": dmd2_config(plan),
+            "dmd2_config": config,
             "files": files,
         }
         (staging / EXPORT_INFO).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")

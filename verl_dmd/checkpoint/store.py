@@ -59,7 +59,8 @@ class Checkpoint:
         return int(self.manifest["global_step"])
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """The SHA-256 hex digest of a file, read in 1 MB blocks."""
     digest = hashlib.sha256()
     with path.open("rb") as handle:
         for block in iter(lambda: handle.read(1 << 20), b""):
@@ -159,7 +160,7 @@ class CheckpointStore:
             if relative == MANIFEST:
                 raise CheckpointError(f"{staging}: {MANIFEST} is written by publish(), not by the caller")
             self._fault(f"hash:{relative}")
-            files[relative] = {"size": path.stat().st_size, "sha256": _sha256(path)}
+            files[relative] = {"size": path.stat().st_size, "sha256": file_sha256(path)}
             _fsync_file(path)
         if not files:
             raise CheckpointError(f"{staging}: nothing to publish (no files)")
@@ -291,7 +292,7 @@ class CheckpointStore:
             size = file.stat().st_size
             if size != entry["size"]:
                 raise CheckpointError(f"{file}: {size} bytes, the manifest says {entry['size']} (truncated?)")
-            if hashes and _sha256(file) != entry["sha256"]:
+            if hashes and file_sha256(file) != entry["sha256"]:
                 raise CheckpointError(f"{file}: SHA-256 differs from the manifest (the file is damaged)")
         return Checkpoint(path, manifest)
 

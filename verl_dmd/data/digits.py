@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from verl_dmd.seeding import generator
 
 NUM_CLASSES = 10
 IMAGE_SHAPE = (1, 8, 8)
@@ -60,34 +61,6 @@ def load_digits_splits(holdout_fraction: float = 0.2, seed: int = 0) -> tuple[Di
 
 
 PAIR_KEYS = ("noise", "target", "cond.class_labels")
-
-
-@torch.no_grad()
-def teacher_pairs(
-    adapter,
-    teacher,
-    labels: torch.Tensor,
-    *,
-    seed: int,
-    steps: int = 32,
-    chunk: int = 512,
-    guidance: float = 1.0,
-    null_class: int | None = None,
-) -> dict[str, torch.Tensor]:
-    """DMD v1's paired data for digits: the teacher's `steps`-step Euler sample (with the DMD term's
-    guidance, standard CFG form) from fixed noise per label."""
-    from verl_dmd.eval.sampling import euler_sample
-
-    if guidance != 1.0 and null_class is None:
-        raise ValueError(f"guidance = {guidance}: teacher pairs with CFG need the null class")
-    noise = torch.randn(labels.shape[0], *IMAGE_SHAPE, generator=torch.Generator().manual_seed(seed))
-    targets = []
-    for n, y in zip(noise.split(chunk), labels.split(chunk), strict=True):
-        uncond = None if null_class is None else {"class_labels": torch.full_like(y, null_class)}
-        targets.append(
-            euler_sample(adapter, teacher, n, {"class_labels": y}, steps, guidance=guidance, uncond=uncond)
-        )
-    return {"noise": noise, "target": torch.cat(targets), "cond.class_labels": labels.to(torch.int64)}
 
 
 def check_pairs(pairs: dict[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
@@ -152,19 +125,12 @@ class DigitsConditionStream:
     def epoch(self) -> int:
         return self.position // self.labels.numel()
 
-    def _generator_seed(self, stream: str, index: int) -> int:
-        """A 64-bit seed hashed from (seed, stream, index). Hashing matters: torch's CPU generator
-        keeps only the low 32 bits of a seed, so shifting the run seed into high bits would drop it."""
-        digest = hashlib.blake2b(f"{self.seed}/{stream}/{index}".encode(), digest_size=8).digest()
-        return int.from_bytes(digest, "little")
-
     def _index(self, stream: str, position: int, size: int) -> int:
         """Entry `position mod size` of epoch `position // size`'s permutation of range(size)."""
         epoch, offset = divmod(position, size)
         cached = self._orders.get(stream)
         if cached is None or cached[0] != epoch:
-            generator = torch.Generator().manual_seed(self._generator_seed(stream, epoch))
-            cached = (epoch, torch.randperm(size, generator=generator))
+            cached = (epoch, torch.randperm(size, generator=generator(self.seed, stream, epoch)))
             self._orders[stream] = cached
         return int(cached[1][offset])
 
@@ -172,8 +138,7 @@ class DigitsConditionStream:
         return int(self.labels[self._index("labels", position, self.labels.numel())])
 
     def _noise(self, position: int) -> torch.Tensor:
-        generator = torch.Generator().manual_seed(self._generator_seed("noise", position))
-        return torch.randn(IMAGE_SHAPE, generator=generator)
+        return torch.randn(IMAGE_SHAPE, generator=generator(self.seed, "noise", position))
 
     def next_batch(self, size: int, *, rank: int = 0, world_size: int = 1) -> dict[str, torch.Tensor]:
         """This rank's `size` samples of the next global batch; every rank advances by size * world_size."""

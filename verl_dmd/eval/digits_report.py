@@ -15,7 +15,7 @@ import torch
 
 from verl_dmd.data.digits import IMAGE_SHAPE, NUM_CLASSES, DigitsSplit
 from verl_dmd.eval.digits_classifier import DigitsClassifier, digits_quality
-from verl_dmd.eval.sampling import save_grid, save_samples
+from verl_dmd.eval.images import save_grid, save_samples
 
 TEACHER_STEPS = (1, 2, 4, 8, 32)
 

@@ -40,6 +40,7 @@ import contextlib
 import os
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -96,25 +97,55 @@ def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
+class OffloadTarget(Protocol):
+    """What sleep/wake needs of the state's owner (the role engine implements it)."""
+
+    device: torch.device
+
+    def state_objects(self) -> list[torch.Tensor]:
+        """Every tensor of the state as the owner holds it (DTensors for sharded ones)."""
+        ...
+
+    def fsdp_modules(self) -> list:
+        """The FSDP2 modules whose shard views use the state's storages."""
+        ...
+
+    def prepare_to_sleep(self) -> None:
+        """Reshard, drop gradients and anything else that holds device tensors outside the state."""
+        ...
+
+
 class StateOffloader:
-    """Sleep/wake of one `RoleEngine`'s device state (see the module docstring)."""
+    """Sleep/wake of one `OffloadTarget`'s device state (see the module docstring).
+
+    `pack`: wake allocates the storages in few device segments (see `_packed_wake`; measured in
+    docs/benchmarks.md). `coalesce_below`: storages up to this many bytes are moved into shared
+    buffers at the first sleep (`coalesce`); 0 never. `small_block`: storages up to this many bytes
+    move as one block (`_small_to_host`). `chunk_bytes`: a packed wake (and coalescing) reserves
+    device memory in runs of about this size.
+    """
 
     ALIGN = 512  # bytes: keeps every slot of the host buffer aligned for fast copies
 
-    def __init__(self, engine, *, pack: bool = True) -> None:
+    def __init__(
+        self,
+        engine: OffloadTarget,
+        *,
+        pack: bool = True,
+        coalesce_below: int = _SMALL_BLOCK,
+        small_block: int = _SMALL_BLOCK,
+        chunk_bytes: int = _CHUNK,
+    ) -> None:
         self.engine = engine
-        # pack: wake allocates the storages in few device segments (see `_packed_wake`); measured on an
-        # H200 in docs/benchmarks.md (sleep 92%, wake 94% of the raw pinned copy, vs 86-89% / 96-99% unpacked).
         self.pack = pack
-        self.small_block = _SMALL_BLOCK  # storages up to this many bytes move as one block (`_small_to_host`)
-        # storages up to this many bytes are moved into shared buffers at the first sleep (`coalesce`); 0: never
-        self.coalesce_below = _SMALL_BLOCK
+        self.small_block = small_block
+        self.coalesce_below = coalesce_below
+        self.chunk_bytes = chunk_bytes
         self._coalesced_for: list[torch.UntypedStorage] | None = None
         self.last_coalesce: dict[str, int] = {"moved": 0, "rejected": 0}
         self.asleep = False
         self._buffer: torch.Tensor | None = None
         self._slots: list[_Slot] = []
-        self.chunk_bytes = _CHUNK  # a packed wake reserves device memory in runs of about this size
         self._pool = None  # torch.cuda.MemPool for the state's storages (pack=True), made at a wake
         self._pool_chunks: tuple[int, ...] = ()
         self._cache: tuple[tuple[int, ...], list[torch.UntypedStorage], list[torch.Tensor]] | None = None
@@ -129,14 +160,7 @@ class StateOffloader:
 
     def _state_objects(self) -> list[torch.Tensor]:
         """Every tensor of the state as the engine holds it (DTensors for sharded ones)."""
-        engine = self.engine
-        objects = [p for params in engine.params.values() for p in params]
-        objects += list(engine.frozen_params)
-        objects += list(engine.independent_ema)
-        for optimizer in engine.optimizers.values():
-            for state in optimizer.state.values():
-                objects += [v for v in state.values() if isinstance(v, torch.Tensor)]
-        return objects
+        return self.engine.state_objects()
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Every tensor of the state, as local tensors (parameters, EMA, optimizer state): the objects
@@ -334,10 +358,7 @@ class StateOffloader:
             raise RuntimeError("sleep() while asleep: call wake() first")
         engine = self.engine
         started = time.perf_counter()
-        engine.reshard()
-        for role in engine.optimizers:
-            engine.zero_grad(role)
-        engine.forget_step_shadows()  # a stale shadow could hold replaced state tensors on the device
+        engine.prepare_to_sleep()
         coalesced, rejected = 0, 0
         if self.coalesce_below and self._storages() is not self._coalesced_for:
             coalesced, rejected = self.coalesce(), self.last_coalesce["rejected"]

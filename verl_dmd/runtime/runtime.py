@@ -12,6 +12,7 @@ import math
 import time
 import zlib
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,29 +20,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
+from verl_dmd import batch as batches
 from verl_dmd.phases import LossNormalizerTracker, PhaseComputer, PhaseOutput, PhaseRequest, Role
 from verl_dmd.runtime.engine import RoleEngine
-
-
-def split_batch(batch: Mapping[str, Any], parts: int) -> list[dict[str, Any]]:
-    """Split every tensor of a batch mapping along dim 0 into `parts` non-empty micro-batches."""
-    sizes = {key: value.shape[0] for key, value in batch.items() if isinstance(value, torch.Tensor)}
-    if not sizes:
-        raise ValueError("a phase batch must hold at least one tensor with a batch dimension")
-    if len(set(sizes.values())) != 1:
-        raise ValueError(f"batch tensors disagree on the batch size: {sizes}")
-    size = next(iter(sizes.values()))
-    if size < parts:
-        raise ValueError(
-            f"a batch of {size} samples cannot fill {parts} micro-batches; "
-            "fix: lower batch.<role>.accumulation_steps or send more samples per rank"
-        )
-    chunks: list[dict[str, Any]] = [{} for _ in range(parts)]
-    for key, value in batch.items():
-        pieces = torch.tensor_split(value, parts) if isinstance(value, torch.Tensor) else [value] * parts
-        for chunk, piece in zip(chunks, pieces, strict=True):
-            chunk[key] = piece
-    return chunks
 
 
 def _total_grad_norm(params: list[torch.nn.Parameter], device: torch.device, group=None) -> torch.Tensor:
@@ -64,14 +45,53 @@ def _total_grad_norm(params: list[torch.nn.Parameter], device: torch.device, gro
     return (squares + partial).sqrt()
 
 
+class ComputerView:
+    """What a phase computer is handed (`verl_dmd.phases.PhaseRuntime`) and nothing more: a computer that
+    reaches for anything else (the engine, optimizers, other parameters) fails with AttributeError."""
+
+    __slots__ = ("_runtime",)
+
+    def __init__(self, runtime: DistillationRoleRuntime) -> None:
+        self._runtime = runtime
+
+    @property
+    def adapter(self):
+        return self._runtime.engine.adapter
+
+    @property
+    def rank(self) -> int:
+        return self._runtime.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._runtime.world_size
+
+    def use_role(self, role: Role | str):
+        return self._runtime.engine.use_role(role)
+
+    def module_for(self, role: Role | str):
+        return self._runtime.engine.module_for(Role(role))
+
+    def extra_module(self, name: str):
+        return self._runtime.engine.extra_module(name)
+
+
 class DistillationRoleRuntime:
-    """Runs phases of a `PhaseComputer` on a `RoleEngine`; no ray, no driver logic."""
+    """Runs phases of a `PhaseComputer` on a `RoleEngine`; no ray, no driver logic.
+
+    `run_phase` is the sequence of the methods below it, in their order: `_prepare`
+    (batch to the device, micro-batches), `_accumulate` (the computer per micro-batch,
+    backward), `_normalize` (count mode), `_agree_on_skip` (gradient norm and every
+    rank's non-finite flags, read back together), `_step` (clip, optimizer, scheduler),
+    the EMA, and `_metrics` (one reduce, read back once).
+    """
 
     def __init__(self, engine: RoleEngine, computer: PhaseComputer, *, group=None) -> None:
         self.engine = engine
         self.computer = computer
         self.group = group
         self.plan = engine.plan
+        self.view = ComputerView(self)
 
     # The computer enters frozen roles through the runtime (DMD2.md, phase computer contract).
     def use_role(self, role: Role | str):
@@ -93,128 +113,170 @@ class DistillationRoleRuntime:
     def run_phase(self, request: PhaseRequest, batch: Mapping[str, Any]) -> dict[str, Any]:
         """All micro-batches of one phase and at most one optimizer step of `request.role`."""
         started = time.perf_counter()
-        role = request.role
-        engine = self.engine
-        batch_spec = getattr(self.plan.batch, role.value)
-        device = engine.device
+        role, engine = request.role, self.engine
         # The record_function ranges name the parts of a phase in a torch.profiler trace
         # (scripts/trace_gaps.py charges the device's idle time to them); a few us each otherwise.
         with record_function("verl_dmd.setup"):
-            batch = {
-                k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
-                for k, v in batch.items()
-            }
-            micro_batches = split_batch(batch, batch_spec.accumulation_steps)
-            tracker = LossNormalizerTracker(len(micro_batches))
-            optim_spec = getattr(self.plan.optim, role.value)
-            # Sums stay on the device: reading a value back (.item()) waits for the GPU, and each wait
-            # leaves it idle until the host queues the next kernels. A phase reads back three times
-            # (twice on one rank).
-            metric_sums: dict[str, Any] = {}
-            loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-            engine.verify_layout()
-            engine.zero_grad(role)
+            micro_batches, tracker, sums = self._prepare(role, batch)
         with engine.trainable(role), engine.use_role(role):
-            for index, micro_batch in enumerate(micro_batches):
-                with record_function("verl_dmd.compute"):
-                    # Reduce-scatter only on the last micro-batch (TRAPS: set_requires_gradient_sync).
-                    engine.set_gradient_sync(index == len(micro_batches) - 1)
-                    output = self.computer.compute_phase(
-                        request,
-                        micro_batch,
-                        self,
-                        micro_batch_index=index,
-                        num_micro_batches=len(micro_batches),
-                    )
-                    if not isinstance(output, PhaseOutput):
-                        raise TypeError(
-                            f"compute_phase returned {type(output).__name__}: must return a PhaseOutput"
-                        )
-                    weight = tracker.loss_weight(output.loss_normalizer)
-                    # float32, then float64, summed in float64: what float(loss) summed in Python gives.
-                    loss_sum = loss_sum + output.loss.detach().float().to(device, torch.float64)
-                    for key, value in output.metrics.items():
-                        if isinstance(value, torch.Tensor):  # summed in float64 like the python floats
-                            value = value.to(device, torch.float64)
-                        metric_sums[key] = metric_sums.get(key, 0.0) + value
-                    if output.loss.requires_grad:
-                        (output.loss * weight).backward()
+            self._accumulate(request, micro_batches, tracker, sums)
             engine.set_gradient_sync(True)
             engine.check_gradient_isolation(role)
-            params = engine.params[role]
-
-            divisor = 1.0
-            if tracker.mode == "count":
-                count = self._all_reduce(
-                    torch.tensor([tracker.local_count], dtype=torch.float64, device=device)
-                )
-                divisor = tracker.gradient_divisor(count.item() / self.world_size)
-                with torch.no_grad():
-                    for p in params:
-                        if p.grad is not None:
-                            p.grad.div_(divisor)
-
+            self._normalize(role, tracker)
             with record_function("verl_dmd.grad_norm"):
-                norm = _total_grad_norm(params, device, self.group)
-                # One collective tells every rank which ranks saw a non-finite loss (a non-finite term makes
-                # the sum non-finite); the norm is global already. Both are read back in one wait.
-                flags = torch.zeros(self.world_size, dtype=torch.float64, device=device)
-                flags[self.rank] = (~torch.isfinite(loss_sum)).to(torch.float64)
-                *flag_values, grad_norm = torch.cat([self._all_reduce(flags), norm.reshape(1)]).tolist()
-                bad_ranks = [r for r, flag in enumerate(flag_values) if flag > 0]
-                skipped_reason = None
-                if bad_ranks:
-                    skipped_reason = f"non-finite loss on rank(s) {bad_ranks}"
-                elif not math.isfinite(grad_norm):
-                    skipped_reason = f"non-finite gradient norm ({grad_norm})"
-
+                grad_norm, skipped_reason = self._agree_on_skip(role, sums)
             with record_function("verl_dmd.step"):
-                if skipped_reason is None:
-                    if optim_spec.grad_clip > 0 and grad_norm > optim_spec.grad_clip:
-                        scale = optim_spec.grad_clip / (grad_norm + 1e-6)
-                        with torch.no_grad():
-                            for p in params:
-                                if p.grad is not None:
-                                    p.grad.mul_(scale)
-                    engine.optimizer_step(role)
-                    engine.schedulers[role].step()
-                engine.zero_grad(role)
+                self._step(role, grad_norm, skipped_reason)
         with record_function("verl_dmd.ema"):
             if skipped_reason is None and role is Role.STUDENT:
                 engine.update_ema(request.global_step + 1)
-
         with record_function("verl_dmd.metrics"):
-            # Metrics are averaged by position, so every rank must report the same keys in the same
-            # order. A fixed-size reduce of (key count, CRC of the keys) checks that first: reducing
-            # tensors of different lengths would hang. Every rank sees the same sums and raises alike.
-            # One rank cannot disagree with itself: no check, and one wait for the device less.
-            key_crc = float(zlib.crc32("\n".join(metric_sums).encode()))
-            if self.world_size > 1 and self._all_reduce(
-                torch.tensor([len(metric_sums), key_crc], dtype=torch.float64, device=device)
-            ).tolist() != [len(metric_sums) * self.world_size, key_crc * self.world_size]:
-                raise RuntimeError(
-                    f"ranks reported different metric keys in a {role.value} phase (rank {self.rank}: "
-                    f"{sorted(metric_sums)}); a phase computer must return the same metrics on every rank"
-                )
-            values = [loss_sum / len(micro_batches), *metric_sums.values()]
-            stacked = torch.stack([
-                v.to(device, torch.float64).reshape(()) if isinstance(v, torch.Tensor)
-                else torch.full((), float(v), dtype=torch.float64, device=device)  # a fill, not a host copy
-                for v in values
-            ])  # fmt: skip
-            mean = (self._all_reduce(stacked) / self.world_size).tolist()
-            metrics = {
-                f"{role.value}/{k}": v / len(micro_batches)
-                for k, v in zip(metric_sums, mean[1:], strict=True)
-            }
-            metrics.update(
-                {
-                    f"{role.value}/loss": mean[0],
-                    f"{role.value}/grad_norm": grad_norm,
-                    f"{role.value}/lr": engine.optimizers[role].param_groups[0]["lr"],
-                    "stepped": skipped_reason is None,
-                    "skipped_reason": skipped_reason,
-                    "phase_seconds": time.perf_counter() - started,
-                }
-            )
+            metrics = self._metrics(role, sums, len(micro_batches), grad_norm, skipped_reason)
+            metrics["phase_seconds"] = time.perf_counter() - started
         return metrics
+
+    def _prepare(self, role: Role, batch: Mapping[str, Any]):
+        """The batch on the device in micro-batches, the normalizer arithmetic, the device-side sums."""
+        engine = self.engine
+        accumulation = getattr(self.plan.batch, role.value).accumulation_steps
+        batch = batches.to_device(dict(batch), engine.device)
+        if batches.batch_size(batch) is None:
+            raise ValueError("a phase batch must hold at least one tensor with a batch dimension")
+        micro_batches = batches.split(
+            batch, accumulation, what="micro-batches",
+            fix=f"lower batch.{role.value}.accumulation_steps or send more samples per rank",
+        )  # fmt: skip
+        # Sums stay on the device: reading a value back (.item()) waits for the GPU, and each wait
+        # leaves it idle until the host queues the next kernels. A phase reads back three times
+        # (twice on one rank).
+        sums = _PhaseSums(torch.zeros((), dtype=torch.float64, device=engine.device), {})
+        engine.verify_layout()
+        engine.zero_grad(role)
+        return micro_batches, LossNormalizerTracker(len(micro_batches)), sums
+
+    def _accumulate(self, request: PhaseRequest, micro_batches, tracker, sums: _PhaseSums) -> None:
+        """The computer on every micro-batch, each loss backpropagated with its weight; the gradients are
+        reduce-scattered on the last micro-batch only (TRAPS: set_requires_gradient_sync)."""
+        engine, device = self.engine, self.engine.device
+        for index, micro_batch in enumerate(micro_batches):
+            with record_function("verl_dmd.compute"):
+                engine.set_gradient_sync(index == len(micro_batches) - 1)
+                output = self.computer.compute_phase(
+                    request,
+                    micro_batch,
+                    self.view,
+                    micro_batch_index=index,
+                    num_micro_batches=len(micro_batches),
+                )
+                if not isinstance(output, PhaseOutput):
+                    raise TypeError(
+                        f"compute_phase returned {type(output).__name__}: must return a PhaseOutput"
+                    )
+                weight = tracker.loss_weight(output.loss_normalizer)
+                # float32, then float64, summed in float64: what float(loss) summed in Python gives.
+                sums.loss = sums.loss + output.loss.detach().float().to(device, torch.float64)
+                for key, value in output.metrics.items():
+                    if isinstance(value, torch.Tensor):  # summed in float64 like the python floats
+                        value = value.to(device, torch.float64)
+                    sums.metrics[key] = sums.metrics.get(key, 0.0) + value
+                if output.loss.requires_grad:
+                    (output.loss * weight).backward()
+
+    def _normalize(self, role: Role, tracker: LossNormalizerTracker) -> None:
+        """Count mode: divide the gradients by the data-parallel mean count (mean mode: nothing to do)."""
+        if tracker.mode != "count":
+            return
+        count = self._all_reduce(
+            torch.tensor([tracker.local_count], dtype=torch.float64, device=self.engine.device)
+        )
+        divisor = tracker.gradient_divisor(count.item() / self.world_size)
+        with torch.no_grad():
+            for p in self.engine.params[role]:
+                if p.grad is not None:
+                    p.grad.div_(divisor)
+
+    def _agree_on_skip(self, role: Role, sums: _PhaseSums) -> tuple[float, str | None]:
+        """The global gradient norm, and why every rank skips the step (None: it steps).
+
+        One collective tells every rank which ranks saw a non-finite loss (a non-finite term makes the
+        sum non-finite); the norm is global already. Both are read back in one wait.
+        """
+        device = self.engine.device
+        norm = _total_grad_norm(self.engine.params[role], device, self.group)
+        flags = torch.zeros(self.world_size, dtype=torch.float64, device=device)
+        flags[self.rank] = (~torch.isfinite(sums.loss)).to(torch.float64)
+        *flag_values, grad_norm = torch.cat([self._all_reduce(flags), norm.reshape(1)]).tolist()
+        bad_ranks = [r for r, flag in enumerate(flag_values) if flag > 0]
+        if bad_ranks:
+            return grad_norm, f"non-finite loss on rank(s) {bad_ranks}"
+        if not math.isfinite(grad_norm):
+            return grad_norm, f"non-finite gradient norm ({grad_norm})"
+        return grad_norm, None
+
+    def _step(self, role: Role, grad_norm: float, skipped_reason: str | None) -> None:
+        """Clip, one optimizer step and one scheduler step, unless skipped; the gradients are cleared."""
+        engine = self.engine
+        if skipped_reason is None:
+            clip = getattr(self.plan.optim, role.value).grad_clip
+            if clip > 0 and grad_norm > clip:
+                scale = clip / (grad_norm + 1e-6)
+                with torch.no_grad():
+                    for p in engine.params[role]:
+                        if p.grad is not None:
+                            p.grad.mul_(scale)
+            engine.optimizer_step(role)
+            engine.schedulers[role].step()
+        engine.zero_grad(role)
+
+    def _metrics(
+        self,
+        role: Role,
+        sums: _PhaseSums,
+        num_micro_batches: int,
+        grad_norm: float,
+        skipped_reason: str | None,
+    ) -> dict[str, Any]:
+        """The same metrics on every rank: the computer's and the loss averaged over micro-batches and ranks.
+
+        Metrics are averaged by position, so every rank must report the same keys in the same order. A
+        fixed-size reduce of (key count, CRC of the keys) checks that first: reducing tensors of different
+        lengths would hang. Every rank sees the same sums and raises alike. One rank cannot disagree with
+        itself: no check, and one wait for the device less.
+        """
+        device, metric_sums = self.engine.device, sums.metrics
+        key_crc = float(zlib.crc32("\n".join(metric_sums).encode()))
+        if self.world_size > 1 and self._all_reduce(
+            torch.tensor([len(metric_sums), key_crc], dtype=torch.float64, device=device)
+        ).tolist() != [len(metric_sums) * self.world_size, key_crc * self.world_size]:
+            raise RuntimeError(
+                f"ranks reported different metric keys in a {role.value} phase (rank {self.rank}: "
+                f"{sorted(metric_sums)}); a phase computer must return the same metrics on every rank"
+            )
+        values = [sums.loss / num_micro_batches, *metric_sums.values()]
+        stacked = torch.stack([
+            v.to(device, torch.float64).reshape(()) if isinstance(v, torch.Tensor)
+            else torch.full((), float(v), dtype=torch.float64, device=device)  # a fill, not a host copy
+            for v in values
+        ])  # fmt: skip
+        mean = (self._all_reduce(stacked) / self.world_size).tolist()
+        metrics: dict[str, Any] = {
+            f"{role.value}/{k}": v / num_micro_batches for k, v in zip(metric_sums, mean[1:], strict=True)
+        }
+        metrics.update(
+            {
+                f"{role.value}/loss": mean[0],
+                f"{role.value}/grad_norm": grad_norm,
+                f"{role.value}/lr": self.engine.optimizers[role].param_groups[0]["lr"],
+                "stepped": skipped_reason is None,
+                "skipped_reason": skipped_reason,
+            }
+        )
+        return metrics
+
+
+@dataclass
+class _PhaseSums:
+    """A phase's running sums on the device: the loss and each metric of the computer."""
+
+    loss: torch.Tensor
+    metrics: dict[str, Any]

@@ -18,13 +18,14 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import safetensors
 import safetensors.torch
 import torch
 
+from verl_dmd import losses
 from verl_dmd.data.digits import IMAGE_SHAPE, DigitsConditionStream, check_pairs, load_digits_splits
+from verl_dmd.trainer.registry import ValidationReport, register_data_provider, register_validator
 
 PAIR_STEPS = 32
 """Euler steps of the teacher samples the regression term regresses on."""
@@ -32,8 +33,7 @@ PAIR_STEPS = 32
 
 def teacher_guidance(plan) -> float:
     """The teacher's CFG scale in the standard form (what the DMD term's teacher uses)."""
-    alg = plan.algorithm
-    return alg.teacher_guidance_scale + (1.0 if alg.cfg_form == "conditional_offset" else 0.0)
+    return losses.standard_guidance_scale(plan.algorithm.teacher_guidance_scale, plan.algorithm.cfg_form)
 
 
 def teacher_digest(plan) -> str:
@@ -106,12 +106,19 @@ def regression_pairs(plan, group, labels: torch.Tensor, null_class: int, log: Ca
     return pairs
 
 
+@register_data_provider("digits")
 class DigitsProvider:
     """Global batches of the digits run; `state_dict` is its position (checkpointed)."""
 
-    def __init__(self, plan, group, info: dict[str, Any], log: Callable[[str], None] = print) -> None:
+    validator = "digits"
+
+    @classmethod
+    def from_plan(cls, plan, group, info, log: Callable[[str], None] = print) -> DigitsProvider:
+        return cls(plan, group, info, log)
+
+    def __init__(self, plan, group, info, log: Callable[[str], None] = print) -> None:
         train_split, _ = load_digits_splits(seed=0)
-        null_class = info["null_class"]
+        null_class = info.null_class
         if null_class is None:
             raise ValueError(
                 f"config key 'data.name' = 'digits': model adapter {plan.model.adapter!r} has no class "
@@ -140,10 +147,15 @@ class DigitsProvider:
         self.stream.load_state_dict(state)
 
 
+@register_validator("digits")
 class DigitsValidator:
     """The digits quality table of the roles in validation.roles, sampled through the worker group."""
 
-    def __init__(self, plan, group, info: dict[str, Any]) -> None:
+    @classmethod
+    def from_plan(cls, plan, group, info) -> DigitsValidator:
+        return cls(plan, group, info)
+
+    def __init__(self, plan, group, info) -> None:
         self.plan, self.group, self.info = plan, group, info
         self._evaluation_parts = None
 
@@ -155,19 +167,19 @@ class DigitsValidator:
             self._evaluation_parts = (train_digits_classifier(train_split, seed=0), holdout)
         return self._evaluation_parts
 
-    def run(self, out_dir: Path) -> tuple[str, dict[str, float], list]:
-        """Sample and score every row; write samples under `out_dir`; returns (table, metrics, rows)."""
+    def run(self, out_dir: Path) -> ValidationReport:
+        """Sample and score every row; write samples under `out_dir`; the table and its metrics."""
+        from verl_dmd.algorithms.sampling import even_schedule, renoise_draws, trained_schedule
         from verl_dmd.eval.digits_report import TEACHER_STEPS, DigitsEvaluation, format_table
-        from verl_dmd.eval.sampling import even_schedule, renoise_draws
 
         classifier, holdout = self._parts()
-        plan = self.plan
+        plan, info = self.plan, self.info
         evaluation = DigitsEvaluation(
             classifier, holdout, num_samples=plan.validation.num_samples, out_dir=out_dir
         )
         cond = {"class_labels": evaluation.labels}
         guidance = teacher_guidance(plan)
-        uncond = {"class_labels": torch.full_like(evaluation.labels, self.info["null_class"])}
+        uncond = {"class_labels": torch.full_like(evaluation.labels, info.null_class)}
         rows = []
         roles = plan.validation.roles
         if "teacher" in roles:
@@ -178,11 +190,10 @@ class DigitsValidator:
         trained = plan.algorithm.student_steps
         for role in (r for r in ("student", "student_ema") if r in roles):
             for steps in sorted({1, trained, *plan.validation.sampling_steps}):
-                schedule = (
-                    self.info["student_schedule"]
-                    if steps == trained
-                    else even_schedule(steps, plan.algorithm.sigma_shift).tolist()
-                )
+                if steps == trained:
+                    schedule = trained_schedule(plan.algorithm, info.sigma_max).tolist()
+                else:
+                    schedule = even_schedule(steps, plan.algorithm.sigma_shift, info.sigma_max).tolist()
                 renoise = renoise_draws(evaluation.noise.shape, steps, evaluation.renoise_generator())
                 images = self.group.few_step(role, evaluation.noise, cond, schedule, renoise)
                 rows.append(evaluation.row(role, "few-step", steps, images))
@@ -190,4 +201,10 @@ class DigitsValidator:
         for row in rows:
             metrics[f"val/{row.model}_{row.steps}step/fid"] = row.fid
             metrics[f"val/{row.model}_{row.steps}step/accuracy"] = row.accuracy
-        return format_table(rows), metrics, rows
+        return ValidationReport(
+            title="digits quality",
+            scope=f"{plan.validation.num_samples} samples per row against the {len(holdout)} held-out digits",
+            table=format_table(rows),
+            metrics=metrics,
+            samples=out_dir / "samples",
+        )

@@ -22,23 +22,27 @@ as for digits.
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
-from typing import Any
 
 import torch
+
+from verl_dmd.seeding import generator
+from verl_dmd.trainer.registry import register_data_provider
 
 PREFIXES = ("cond.", "uncond.", "real.")
 
 
-def _seed(*parts: object) -> int:
-    return int.from_bytes(
-        hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest(), "little"
-    )
-
-
+@register_data_provider("embeddings")
 class EmbeddingsProvider:
-    def __init__(self, plan, info: dict[str, Any] | None = None) -> None:
+    """Global batches of precomputed embeddings (see the module docstring); `state_dict` is its position."""
+
+    validator = None  # no built-in validator decodes these samples yet
+
+    @classmethod
+    def from_plan(cls, plan, group, info, log=print) -> EmbeddingsProvider:
+        return cls(plan)
+
+    def __init__(self, plan) -> None:
         from safetensors import safe_open
 
         if not plan.data.path:
@@ -82,7 +86,7 @@ class EmbeddingsProvider:
             self._rows += [(number, r) for r in range(counts.pop())]
         self.keys = sorted(keys)
         self.latent_shape = shape
-        from verl_dmd.trainer.digits import teacher_guidance
+        from verl_dmd.losses import standard_guidance_scale
 
         for number, handle in enumerate(self._handles):
             mine = sum(1 for f, _ in self._rows if f == number)
@@ -91,7 +95,9 @@ class EmbeddingsProvider:
                 if rows not in (1, mine):
                     raise ValueError(f"config key 'data.path': {files[number].name}: {key} has {rows} rows; "
                                      f"allowed: 1 (one empty prompt for all) or {mine} (one per prompt)")  # fmt: skip
-        if teacher_guidance(plan) != 1.0 and not any(k.startswith("uncond.") for k in self.keys):
+        if standard_guidance_scale(
+            plan.algorithm.teacher_guidance_scale, plan.algorithm.cfg_form
+        ) != 1.0 and not any(k.startswith("uncond.") for k in self.keys):
             raise ValueError("config key 'algorithm.teacher_guidance_scale' != 1 needs uncond.* tensors in data.path "
                              "(the empty prompt's embeddings); fix: add them, or set the scale to 1")  # fmt: skip
         self._order: tuple[int, torch.Tensor] | None = None
@@ -104,8 +110,10 @@ class EmbeddingsProvider:
         if not self.shuffle:
             return offset
         if self._order is None or self._order[0] != epoch:
-            generator = torch.Generator().manual_seed(_seed(self.seed, "embeddings", epoch))
-            self._order = (epoch, torch.randperm(len(self._rows), generator=generator))
+            self._order = (
+                epoch,
+                torch.randperm(len(self._rows), generator=generator(self.seed, "embeddings", epoch)),
+            )
         return int(self._order[1][offset])
 
     def _read(self, key: str, row: int) -> torch.Tensor:
@@ -122,8 +130,7 @@ class EmbeddingsProvider:
         batch = {key: torch.cat([self._read(key, r) for r in rows]) for key in self.keys}
         noise = []
         for p in positions:
-            generator = torch.Generator().manual_seed(_seed(self.seed, "noise", p))
-            noise.append(torch.randn(self.latent_shape, generator=generator))
+            noise.append(torch.randn(self.latent_shape, generator=generator(self.seed, "noise", p)))
         batch["noise"] = torch.stack(noise)
         return batch
 

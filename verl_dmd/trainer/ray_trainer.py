@@ -4,11 +4,14 @@
 provider yields the global batch, the worker group runs the phase on every
 rank, the controller records whether it stepped. Around that: metrics to verl's
 `Tracking` (console, tensorboard, wandb, ... as `trainer.loggers` says),
-progress with throughput and ETA, checkpoints every `checkpoint.save_every`
-global steps, at the end and on SIGTERM/SIGINT (the phase in flight finishes,
-a checkpoint is published, the process exits with 128 + the signal number),
-resume from `checkpoint.resume`, validation every `validation.every` steps and
-at the end, and the export of the final checkpoint (`export.at_end`).
+progress with throughput and ETA, and three components that each decide their
+own cadence: `Checkpoints` (every `checkpoint.save_every` global steps, at the
+end and on SIGTERM/SIGINT: the phase in flight finishes, a checkpoint is
+published, the process exits with 128 + the signal number; resume from
+`checkpoint.resume`), `Validation` (every `validation.every` steps and at the end,
+through the validator the registry names) and `Export` (the final checkpoint,
+`export.at_end`). Data providers and validators come from
+`verl_dmd.trainer.registry`.
 
 The worker group is ray's (`DiffusionDistillationWorkerGroup`, the default) or
 the in-process one (`LocalWorkerGroup`, ``backend="local"``: no ray, one rank).
@@ -23,11 +26,13 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from verl_dmd.controller import DistillationController
+from verl_dmd.controller import DistillationController, TooManySkipsError
 from verl_dmd.phases import PhaseRequest, Role
+from verl_dmd.trainer.registry import DATA_PROVIDERS, VALIDATORS, validator_name
 
 EXIT_SIGNALLED = 128
 """A run stopped by a signal exits with 128 + the signal number (SIGTERM: 143), after its checkpoint."""
@@ -37,27 +42,24 @@ class TrainerError(RuntimeError):
     """A run that cannot go on; the message is one line."""
 
 
-def build_data_provider(plan, group, info: dict[str, Any], log: Callable[[str], None]):
-    """The driver-side data provider named by `data.name`."""
-    if plan.data.name == "digits":
-        from verl_dmd.trainer.digits import DigitsProvider
-
-        return DigitsProvider(plan, group, info, log)
-    if plan.data.name == "embeddings":
-        from verl_dmd.trainer.embeddings import EmbeddingsProvider
-
-        return EmbeddingsProvider(plan, info)
-    raise TrainerError(
-        f"config key 'data.name' = {plan.data.name!r}: allowed: digits, embeddings; fix: set data.name"
-    )
+def build_data_provider(plan, group, info, log: Callable[[str], None]):
+    """The driver-side data provider `data.name` registers (one-line error for an unknown name)."""
+    try:
+        provider = DATA_PROVIDERS.get(plan.data.name)
+    except ValueError as err:
+        raise TrainerError(str(err)) from None
+    return provider.from_plan(plan, group, info, log)
 
 
-def build_validator(plan, group, info: dict[str, Any]):
-    if plan.data.name == "digits":
-        from verl_dmd.trainer.digits import DigitsValidator
-
-        return DigitsValidator(plan, group, info)
-    return None
+def build_validator(plan, group, info):
+    """The validator of the run (validation.name, else the data provider's own), or None."""
+    name = validator_name(plan)
+    if name is None:
+        return None
+    try:
+        return VALIDATORS.get(name).from_plan(plan, group, info)
+    except ValueError as err:
+        raise TrainerError(str(err).splitlines()[0]) from None
 
 
 class _Progress:
@@ -101,6 +103,115 @@ class _Progress:
             self.bar.close()
 
 
+@dataclass(frozen=True)
+class SavedCheckpoint:
+    """The newest checkpoint of this run: where the controller stood and where it went."""
+
+    phase_index: int
+    global_step: int
+    path: str
+
+
+class Checkpoints:
+    """When and how the driver saves: every `checkpoint.save_every` global steps, at the end, on a signal."""
+
+    def __init__(self, plan, group, log: Callable[[str], None]) -> None:
+        self.plan, self.group, self.log = plan, group, log
+        self.newest: SavedCheckpoint | None = None
+
+    def due(self, global_step: int) -> bool:
+        every = self.plan.checkpoint.save_every
+        return bool(every) and global_step % every == 0
+
+    def resume(self, controller, provider) -> None:
+        """Load `checkpoint.resume` into the workers and the driver's controller and provider (if any)."""
+        loaded = self.group.load_checkpoint()
+        if loaded is None:
+            return
+        controller.load_state_dict(loaded["trainer_state"]["controller"])
+        try:
+            provider.load_state_dict(loaded["trainer_state"]["data"])
+        except ValueError as err:
+            raise TrainerError(f"{loaded['path']}: {err}") from None
+        self.newest = SavedCheckpoint(controller.phase_index, loaded["global_step"], loaded["path"])
+        note = ""
+        if loaded["saved_world_size"] != self.plan.resources.world_size:
+            note = f" (saved by {loaded['saved_world_size']} worker(s): random streams re-seeded)"
+        self.log(f"resumed from {loaded['path']} at global step {loaded['global_step']}{note}")
+
+    def save(self, controller, provider) -> str:
+        """Publish a checkpoint of the current state, unless the newest one is of the same global step.
+
+        Checkpoints are named by global step; after one at step N, only fake-score phases can have
+        run before the next student step. Such a stop keeps the checkpoint of step N: the resume
+        repeats those phases and, being deterministic, reaches the same state.
+        """
+        newest = self.newest
+        if newest is not None and newest.global_step == controller.global_step:
+            if newest.phase_index != controller.phase_index:
+                self.log(f"checkpoint: keeping {newest.path} (same global step; the "
+                         f"{controller.phase_index - newest.phase_index} fake-score phase(s) since are repeated on resume)")  # fmt: skip
+            return newest.path
+        started = time.perf_counter()
+        state = {"controller": controller.state_dict(), "data": provider.state_dict()}
+        path = self.group.save_checkpoint(controller.global_step, state)
+        self.newest = SavedCheckpoint(controller.phase_index, controller.global_step, path)
+        self.log(f"checkpoint: {path} ({time.perf_counter() - started:.1f} s)")
+        return path
+
+
+class Validation:
+    """Samples and scores through the run's validator every `validation.every` steps and at the end."""
+
+    def __init__(self, plan, group, info, tracking, output_dir: Path, log: Callable[[str], None]) -> None:
+        self.plan, self.tracking, self.output_dir, self.log = plan, tracking, output_dir, log
+        self.validator = build_validator(plan, group, info)
+
+    def due(self, global_step: int) -> bool:
+        every = self.plan.validation.every
+        return bool(every) and global_step % every == 0 and global_step < self.plan.trainer.total_steps
+
+    def run(self, global_step: int, *, final: bool, trained_seconds: float | None = None) -> None:
+        if self.validator is None:
+            if final:
+                registered = ", ".join(VALIDATORS.names())
+                self.log(f"validation: no validator for data.name = {self.plan.data.name!r} (validation.name "
+                         f"selects one; registered: {registered})")  # fmt: skip
+            return
+        started = time.perf_counter()
+        out = self.output_dir if final else self.output_dir / "validation" / f"global_step_{global_step}"
+        report = self.validator.run(out)
+        self.tracking.log(data=report.metrics, step=global_step)
+        header = (
+            f"{report.title} at global step {global_step} ({report.scope}; validation "
+            f"{time.perf_counter() - started:.0f} s"
+            + (f"; training {trained_seconds:.0f} s" if trained_seconds is not None else "")
+            + ")"
+        )
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "table.md").write_text(f"{header}\n\n{report.table}\n")
+        where = f"\n\nsamples and grids: {report.samples}" if report.samples is not None else ""
+        self.log(f"\n{header}\n\n{report.table}{where}")
+
+
+class Export:
+    """Exports the final checkpoint when `export.at_end` is on (kept if it holds that checkpoint already)."""
+
+    def __init__(self, plan, log: Callable[[str], None]) -> None:
+        self.plan, self.log = plan, log
+
+    def at_end(self, checkpoint_path: str) -> None:
+        if not self.plan.export.at_end:
+            return
+        from verl_dmd.checkpoint.export import ExportError, export_checkpoint
+        from verl_dmd.checkpoint.store import CheckpointError
+
+        try:
+            export_checkpoint(self.plan, checkpoint_path, if_exists="reuse", log=self.log)
+        except (ExportError, CheckpointError, ValueError) as err:
+            raise TrainerError(f"export: {str(err).splitlines()[0]}") from None
+
+
 class DistillationRayTrainer:
     """Drives one distillation run described by a `DistillationPlan`."""
 
@@ -117,9 +228,6 @@ class DistillationRayTrainer:
         self.group = None
         self._stop_signal: int | None = None
         self._ray_started = False
-        self._saved: tuple[int, int, str] | None = (
-            None  # (phase index, global step, path) of the newest checkpoint
-        )
         self._clean_exit = False
 
     # ------------------------------------------------------------------ set-up
@@ -180,8 +288,6 @@ class DistillationRayTrainer:
 
         handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
         self._install_signal_handlers()
-        from verl_dmd.controller import TooManySkipsError
-
         try:
             return self._fit()
         except TrainerError as err:  # user input (data files, settings): exit 2, as plan errors
@@ -235,7 +341,7 @@ class DistillationRayTrainer:
         )
         self.group = self._start_group()
         info = self.group.init_model()[0]
-        self.log(f"workers ready on {info['device']} in {time.perf_counter() - started:.1f} s")
+        self.log(f"workers ready on {info.device} in {time.perf_counter() - started:.1f} s")
         try:
             provider = build_data_provider(plan, self.group, info, self.log)
         except ValueError as err:  # user input the provider reads (data files, pairs): one line
@@ -245,38 +351,22 @@ class DistillationRayTrainer:
             fake_warmup_steps=plan.algorithm.fake_warmup_steps,
             max_consecutive_skips=plan.trainer.max_consecutive_skips,
         )
-        loaded = self.group.load_checkpoint()
-        if loaded is not None:
-            controller.load_state_dict(loaded["trainer_state"]["controller"])
-            try:
-                provider.load_state_dict(loaded["trainer_state"]["data"])
-            except ValueError as err:
-                raise TrainerError(f"{loaded['path']}: {err}") from None
-            self._saved = (controller.phase_index, loaded["global_step"], loaded["path"])
-            note = ""
-            if loaded["saved_world_size"] != plan.resources.world_size:
-                note = f" (saved by {loaded['saved_world_size']} worker(s): random streams re-seeded)"
-            self.log(f"resumed from {loaded['path']} at global step {loaded['global_step']}{note}")
+        checkpoints = Checkpoints(plan, self.group, self.log)
+        checkpoints.resume(controller, provider)
         tracking = Tracking(
             project_name=plan.trainer.project_name,
             experiment_name=plan.trainer.experiment_name,
             default_backend=list(plan.trainer.loggers),
             config=plan.to_dict(),
         )
-        validator = build_validator(plan, self.group, info)
+        validation = Validation(plan, self.group, info, tracking, self.output_dir, self.log)
         progress = _Progress(total, controller.global_step, plan.trainer.progress_bar, self.log)
         code = 1  # until the run ends normally or by a signal
         try:
             fake_metrics: dict[str, Any] = {}
             while not controller.is_done(total):
                 role = controller.next_phase()
-                spec = getattr(plan.batch, role.value)
-                size = spec.micro_batch_size * spec.accumulation_steps * self.group.world_size
-                step = controller.student_steps if role is Role.STUDENT else controller.fake_steps
-                request = PhaseRequest(role=role, global_step=controller.global_step, role_step=step,
-                                       phase_index=controller.phase_index)  # fmt: skip
-                metrics = self.group.run_phase(request, provider.next_batch(size))[0]
-                controller.record(role, stepped=metrics["stepped"])
+                metrics = self._run_phase(controller, role, provider)
                 if role is Role.FAKE_SCORE:
                     fake_metrics = metrics
                 elif metrics["stepped"]:
@@ -284,16 +374,12 @@ class DistillationRayTrainer:
                     progress.update(global_step, role.value, {**fake_metrics, **metrics})
                     if global_step % plan.trainer.log_every == 0 or global_step == total:
                         tracking.log(data=_loggable({**fake_metrics, **metrics}), step=global_step)
-                    if plan.checkpoint.save_every and global_step % plan.checkpoint.save_every == 0:
-                        self._save(controller, provider)
-                    if (
-                        plan.validation.every
-                        and global_step % plan.validation.every == 0
-                        and global_step < total
-                    ):
-                        self._validate(validator, tracking, global_step, final=False)
+                    if checkpoints.due(global_step):
+                        checkpoints.save(controller, provider)
+                    if validation.due(global_step):
+                        validation.run(global_step, final=False)
                 if self._stop_signal is not None:
-                    self._save(controller, provider)
+                    checkpoints.save(controller, provider)
                     self.log(f"stopped by {signal.Signals(self._stop_signal).name} at global step "
                              f"{controller.global_step}; relaunch the same command to resume")  # fmt: skip
                     code = EXIT_SIGNALLED + self._stop_signal
@@ -301,10 +387,9 @@ class DistillationRayTrainer:
                     return code
             progress.close()
             trained = time.perf_counter() - started
-            path = self._save(controller, provider)
-            self._validate(validator, tracking, controller.global_step, final=True, trained_seconds=trained)
-            if plan.export.at_end:
-                self._export(path)
+            path = checkpoints.save(controller, provider)
+            validation.run(controller.global_step, final=True, trained_seconds=trained)
+            Export(plan, self.log).at_end(path)
             self.log(f"done: {controller.global_step} student steps in {time.perf_counter() - started:.0f} s; "
                      f"outputs in {self.output_dir}")  # fmt: skip
             code = 0
@@ -318,68 +403,16 @@ class DistillationRayTrainer:
             progress.close()
             tracking.finish(exit_code=code)
 
-    # ------------------------------------------------------------------ around the loop
-
-    def _save(self, controller, provider) -> str:
-        """Publish a checkpoint of the current state, unless the newest one is of the same global step.
-
-        Checkpoints are named by global step; after one at step N, only fake-score phases can have
-        run before the next student step. Such a stop keeps the checkpoint of step N: the resume
-        repeats those phases and, being deterministic, reaches the same state.
-        """
-        if self._saved is not None and self._saved[1] == controller.global_step:
-            if self._saved[0] != controller.phase_index:
-                self.log(f"checkpoint: keeping {self._saved[2]} (same global step; the "
-                         f"{controller.phase_index - self._saved[0]} fake-score phase(s) since are repeated on resume)")  # fmt: skip
-            return self._saved[2]
-        started = time.perf_counter()
-        state = {"controller": controller.state_dict(), "data": provider.state_dict()}
-        path = self.group.save_checkpoint(controller.global_step, state)
-        self._saved = (controller.phase_index, controller.global_step, path)
-        self.log(f"checkpoint: {path} ({time.perf_counter() - started:.1f} s)")
-        return path
-
-    def _validate(self, validator, tracking, global_step: int, *, final: bool, trained_seconds=None) -> None:
-        if validator is None:
-            if final:
-                self.log(f"validation: no validator for data.name = {self.plan.data.name!r} (digits only)")
-            return
-        started = time.perf_counter()
-        out = self.output_dir if final else self.output_dir / "validation" / f"global_step_{global_step}"
-        table, metrics, _ = validator.run(out)
-        tracking.log(data=metrics, step=global_step)
-        header = (
-            f"digits quality at global step {global_step} ({self.plan.validation.num_samples} samples per row "
-            f"against the 360 held-out digits; validation {time.perf_counter() - started:.0f} s"
-            + (f"; training {trained_seconds:.0f} s" if trained_seconds is not None else "")
-            + ")"
-        )
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "table.md").write_text(f"{header}\n\n{table}\n")
-        self.log(f"\n{header}\n\n{table}\n\nsamples and grids: {out / 'samples'}")
-
-    def _export(self, checkpoint_path: str) -> None:
-        import json
-        import shutil
-
-        from verl_dmd.checkpoint.export import ExportError, export_checkpoint, export_root
-        from verl_dmd.checkpoint.store import CheckpointError, CheckpointStore
-
-        target = export_root(self.plan) / Path(checkpoint_path).name / self.plan.export.role
-        try:
-            if target.exists():
-                manifest = CheckpointStore.verify(checkpoint_path).manifest
-                info_file = target / "export.json"
-                info = json.loads(info_file.read_text()) if info_file.is_file() else {}
-                if info.get("manifest_sha256") == manifest.get("manifest_sha256"):
-                    self.log(f"export: {target} holds this checkpoint's export already")
-                    return
-                self.log(f"export: {target} holds another run's export (checkpoint {info.get('checkpoint')}); "
-                         "replacing it")  # fmt: skip
-                shutil.rmtree(target)
-            export_checkpoint(self.plan, checkpoint_path, log=self.log)
-        except (ExportError, CheckpointError, ValueError) as err:
-            raise TrainerError(f"export: {str(err).splitlines()[0]}") from None
+    def _run_phase(self, controller, role: Role, provider) -> dict[str, Any]:
+        """One phase of `role` on every rank with the provider's next global batch; recorded in the controller."""
+        spec = getattr(self.plan.batch, role.value)
+        size = spec.micro_batch_size * spec.accumulation_steps * self.group.world_size
+        step = controller.student_steps if role is Role.STUDENT else controller.fake_steps
+        request = PhaseRequest(role=role, global_step=controller.global_step, role_step=step,
+                               phase_index=controller.phase_index)  # fmt: skip
+        metrics = self.group.run_phase(request, provider.next_batch(size))[0]
+        controller.record(role, stepped=metrics["stepped"])
+        return metrics
 
 
 def _loggable(metrics: dict[str, Any]) -> dict[str, float]:

@@ -1,5 +1,8 @@
 """The driver's view of the ranks: one blocking call per operation, per-rank results, named failures.
 
+`WorkerGroup` writes every operation of `verl_dmd.workers.operations` once, over
+one `_call(method, ...)` that its two kinds implement:
+
 - `DiffusionDistillationWorkerGroup`: ray actors through verl's
   `RayResourcePool` / `RayWorkerGroup` (on CPU: ``use_gpu=False``,
   ``max_colocate_count=1``, TRAPS.md). Each call waits on every rank's future
@@ -20,7 +23,8 @@ from typing import Any
 
 import torch
 
-from verl_dmd.workers.worker import split_for_ranks
+from verl_dmd import batch as batches
+from verl_dmd.workers.operations import OPERATIONS, rank_arguments
 
 
 class WorkerError(RuntimeError):
@@ -31,60 +35,66 @@ class WorkerTimeout(WorkerError):
     """A worker call was not answered by every rank within trainer.rpc_timeout_s."""
 
 
-def _pad_to_multiple(value: Any, multiple: int) -> tuple[Any, int]:
-    """Pad every tensor of `value` (dicts and lists of tensors too) along dim 0 by repeating its last row."""
-    sizes = set()
-
-    def visit(v):
-        if isinstance(v, torch.Tensor):
-            sizes.add(v.shape[0])
-        elif isinstance(v, dict):
-            for x in v.values():
-                visit(x)
-        elif isinstance(v, list | tuple):
-            for x in v:
-                visit(x)
-
-    visit(value)
-    if not sizes:
-        return value, 0
-    (size,) = sizes
-    pad = -size % multiple
-
-    def padded(v):
-        if isinstance(v, torch.Tensor):
-            return torch.cat([v, v[-1:].expand(pad, *v.shape[1:])]) if pad else v
-        if isinstance(v, dict):
-            return {k: padded(x) for k, x in v.items()}
-        if isinstance(v, list | tuple):
-            return [padded(x) for x in v]
-        return v
-
-    return padded(value), pad
+def _last_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[-1] if text else ""
 
 
-class _SamplingMixin:
-    """Sampling calls split over ranks (padded to a multiple of the world size, trimmed after)."""
+class WorkerGroup:
+    """The operations, written once; `_call(method, *args, **kwargs)` returns one result per rank."""
 
     world_size: int
 
-    def _split_call(self, method: str, tensors: dict[str, Any], rest: dict[str, Any]) -> torch.Tensor:
-        padded, pad = _pad_to_multiple(tensors, self.world_size)
-        parts = self._call(method, **padded, **rest)
-        out = torch.cat(parts)
-        return out[: out.shape[0] - pad] if pad else out
+    def _call(self, method: str, *args, **kwargs) -> list[Any]:
+        raise NotImplementedError
+
+    def init_model(self) -> list:
+        """Build every rank's session; each rank's `WorkerInfo`."""
+        return self._call("init_model")
+
+    def run_phase(self, request, batch) -> list[dict[str, Any]]:
+        """One phase on every rank (the batch split over them); each rank's metrics."""
+        return self._call("run_phase", request, batch)
+
+    def save_checkpoint(self, global_step: int, trainer_state: dict[str, Any]) -> str:
+        """Publish the checkpoint of `global_step`; its directory."""
+        return self._call("save_checkpoint", global_step, trainer_state)[0]
+
+    def load_checkpoint(self) -> dict[str, Any] | None:
+        """Resolve checkpoint.resume and load it; the driver's part of the state, or None (a fresh start)."""
+        return self._call("load_checkpoint")[0]
+
+    def sleep(self) -> list[dict[str, float]]:
+        """Every rank's state to host memory (see verl_dmd.runtime.offload); per-rank timings."""
+        return self._call("sleep")
+
+    def wake(self) -> list[dict[str, float]]:
+        return self._call("wake")
 
     def euler(self, role, noise, cond, steps, *, guidance=1.0, uncond=None, chunk=512) -> torch.Tensor:
+        """Euler samples of `role` (the teacher's ODE sampler), the batch split over the ranks."""
         tensors = {"noise": noise, "cond": cond, **({"uncond": uncond} if uncond is not None else {})}
         return self._split_call("euler", tensors, {"role": role, "steps": steps, "guidance": guidance,
                                                     "chunk": chunk})  # fmt: skip
 
     def few_step(self, role, noise, cond, schedule, renoise) -> torch.Tensor:
+        """Few-step samples of `role` with pre-drawn re-noising, the batch split over the ranks."""
         tensors = {"noise": noise, "cond": cond, "renoise": list(renoise)}
         return self._split_call("few_step", tensors, {"role": role, "schedule": [float(s) for s in schedule]})
 
+    def _split_call(self, method: str, tensors: dict[str, Any], rest: dict[str, Any]) -> torch.Tensor:
+        """A sampling call padded to a multiple of the world size; the samples in order, padding trimmed."""
+        padded, pad = batches.pad_to_multiple(tensors, self.world_size)
+        return batches.trim(torch.cat(self._call(method, **padded, **rest)), pad)
 
-class DiffusionDistillationWorkerGroup(_SamplingMixin):
+    def kill(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class DiffusionDistillationWorkerGroup(WorkerGroup):
     """`world_size` ray workers (``resources.nnodes`` x ``resources.workers_per_node``) for one plan."""
 
     def __init__(self, plan, *, worker_cls=None, device: str = "cpu") -> None:
@@ -121,8 +131,6 @@ class DiffusionDistillationWorkerGroup(_SamplingMixin):
         )  # fmt: skip
         self._closed = False
 
-    # ------------------------------------------------------------------ calls
-
     def _call(self, method: str, *args, **kwargs) -> list[Any]:
         if self._closed:
             raise WorkerError(f"call {method}: the worker group was shut down after an earlier failure")
@@ -155,8 +163,7 @@ class DiffusionDistillationWorkerGroup(_SamplingMixin):
                     cause = err.cause if getattr(err, "cause", None) is not None else err
                     self.kill()
                     raise WorkerError(
-                        f"worker call {method} failed on rank {rank}: {type(cause).__name__}: "
-                        f"{str(cause).strip().splitlines()[-1] if str(cause).strip() else ''}"
+                        f"worker call {method} failed on rank {rank}: {type(cause).__name__}: {_last_line(cause)}"
                     ) from cause
                 except RayActorError as err:
                     self.kill()
@@ -184,29 +191,8 @@ class DiffusionDistillationWorkerGroup(_SamplingMixin):
         finally:
             self.kill()
 
-    # ------------------------------------------------------------------ operations
 
-    def init_model(self) -> list[dict[str, Any]]:
-        return self._call("init_model")
-
-    def run_phase(self, request, batch) -> list[dict[str, Any]]:
-        return self._call("run_phase", request, batch)
-
-    def save_checkpoint(self, global_step: int, trainer_state: dict[str, Any]) -> str:
-        return self._call("save_checkpoint", global_step, trainer_state)[0]
-
-    def load_checkpoint(self) -> dict[str, Any] | None:
-        return self._call("load_checkpoint")[0]
-
-    def sleep(self) -> list[dict[str, float]]:
-        """Every rank's state to host memory (see verl_dmd.runtime.offload); per-rank timings."""
-        return self._call("sleep")
-
-    def wake(self) -> list[dict[str, float]]:
-        return self._call("wake")
-
-
-class LocalWorkerGroup(_SamplingMixin):
+class LocalWorkerGroup(WorkerGroup):
     """One rank in this process: the same calls as the ray group, without ray."""
 
     world_size = 1
@@ -223,43 +209,25 @@ class LocalWorkerGroup(_SamplingMixin):
         self.session = None
 
     def _call(self, method: str, *args, **kwargs) -> list[Any]:
-        """Run `method` of the session as rank 0; errors come back as the ray group's do."""
-        args = [split_for_ranks(a, 1)[0] for a in args]
-        kwargs = {k: split_for_ranks(v, 1)[0] for k, v in kwargs.items()}
+        """Run `method` as rank 0 (the session's, except building it); errors come back as the ray group's do."""
+        if method not in OPERATIONS:
+            raise AttributeError(f"{method!r} is not a worker operation")
+        (args, kwargs) = rank_arguments(OPERATIONS[method], args, kwargs, 1)
+        args, kwargs = tuple(a[0] for a in args), {k: v[0] for k, v in kwargs.items()}
         try:
+            if method == "init_model":
+                from verl_dmd.workers.session import RankSession
+
+                self.session = RankSession(self.plan, rank=0, world_size=1, device=self._device)
+                return [self.session.describe()]
+            if method == "shutdown":
+                self.close()
+                return [None]
             return [getattr(self.session, method)(*args, **kwargs)]
         except Exception as err:
-            message = str(err).strip().splitlines()[-1] if str(err).strip() else ""
             raise WorkerError(
-                f"worker call {method} failed on rank 0: {type(err).__name__}: {message}"
+                f"worker call {method} failed on rank 0: {type(err).__name__}: {_last_line(err)}"
             ) from err
-
-    def init_model(self) -> list[dict[str, Any]]:
-        from verl_dmd.workers.session import RankSession
-
-        try:
-            self.session = RankSession(self.plan, rank=0, world_size=1, device=self._device)
-        except Exception as err:
-            message = str(err).strip().splitlines()[-1] if str(err).strip() else ""
-            raise WorkerError(
-                f"worker call init_model failed on rank 0: {type(err).__name__}: {message}"
-            ) from err
-        return [self.session.describe()]
-
-    def run_phase(self, request, batch) -> list[dict[str, Any]]:
-        return self._call("run_phase", request, batch)
-
-    def save_checkpoint(self, global_step: int, trainer_state: dict[str, Any]) -> str:
-        return self._call("save_checkpoint", global_step, trainer_state)[0]
-
-    def load_checkpoint(self) -> dict[str, Any] | None:
-        return self._call("load_checkpoint")[0]
-
-    def sleep(self) -> list[dict[str, float]]:
-        return self._call("sleep")
-
-    def wake(self) -> list[dict[str, float]]:
-        return self._call("wake")
 
     def kill(self) -> None:
         self.close()

@@ -8,6 +8,7 @@ Every method is collective: all ranks call it with their part of the inputs.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,38 +32,55 @@ def resolve_device(plan, local_rank: int = 0) -> torch.device:
     return torch.device("cpu")
 
 
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What the driver learns about the model when the workers are ready (from rank 0)."""
+
+    rank: int
+    device: str
+    null_class: int | None
+    """The class label that means "no class" for class-conditional families (DiT), else None."""
+    parameter_bytes: dict[str, int]
+    sigma_max: float
+    """The model adapter's highest noise level (sampling schedules start there)."""
+
+
 class RankSession:
-    """The engine, the phase computer and the runtime of one rank, built from the plan."""
+    """The phase computer, the engine and the runtime of one rank, built from the plan.
+
+    The computer is built first: the modules it declares (`PhaseComputer.extra_modules`) are part of
+    what the engine builds and shards.
+    """
 
     def __init__(self, plan, *, rank: int, world_size: int, device: torch.device | str = "cpu") -> None:
         from verl_dmd.adapters import get_adapter
         from verl_dmd.runtime.engine import RoleEngine
+        from verl_dmd.runtime.offload import StateOffloader
         from verl_dmd.runtime.runtime import DistillationRoleRuntime
 
         self.plan = plan
         self.rank, self.world_size = rank, world_size
         self.adapter = get_adapter(plan.model.adapter)()
-        self.engine = RoleEngine(plan, self.adapter, device=device)
         self.computer = self.adapter.build_distribution_matching_computer(plan.model, plan, rank=rank)
+        self.engine = RoleEngine(
+            plan, self.adapter, device=device, extra_modules=self.computer.extra_modules()
+        )
         self.runtime = DistillationRoleRuntime(self.engine, self.computer)
-        from verl_dmd.runtime.offload import StateOffloader
-
         packing = plan.resources.offload_packing
-        self.offloader = StateOffloader(self.engine, pack=packing)
-        if not packing:
-            self.offloader.coalesce_below = 0
+        self.offloader = StateOffloader(
+            self.engine, pack=packing, **({} if packing else {"coalesce_below": 0})
+        )
 
-    def describe(self) -> dict[str, Any]:
-        """What the driver needs to know about the model: its null class (if any), bytes per role."""
+    def describe(self) -> WorkerInfo:
+        """What the driver needs to know about the model."""
         teacher = self.engine.module_for(Role.TEACHER)
-        null_class = self.adapter.null_class(teacher) if hasattr(self.adapter, "null_class") else None
-        return {
-            "rank": self.rank,
-            "device": str(self.engine.device),
-            "null_class": null_class,
-            "parameter_bytes": self.engine.parameter_bytes(),
-            "student_schedule": [float(s) for s in getattr(self.computer, "schedule", [])],
-        }
+        return WorkerInfo(
+            rank=self.rank,
+            device=str(self.engine.device),
+            null_class=self.adapter.null_class(teacher),
+            parameter_bytes=self.engine.parameter_bytes(),
+            sigma_max=float(self.adapter.sigma_max),
+        )
 
     def run_phase(self, request: PhaseRequest, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
         self.wake()
@@ -134,7 +152,7 @@ class RankSession:
     ) -> torch.Tensor:
         """Euler samples of `role` (the teacher's ODE sampler) for this rank's part, `chunk` at a time."""
         self.wake()
-        from verl_dmd.eval.sampling import euler_sample
+        from verl_dmd.algorithms.sampling import euler_sample
 
         out = []
         with self.engine.use_role(Role(role)) as module:
@@ -160,7 +178,7 @@ class RankSession:
     ) -> torch.Tensor:
         """A few-step student sample of `role` for this rank's part, with pre-drawn re-noising."""
         self.wake()
-        from verl_dmd.eval.sampling import few_step_sample
+        from verl_dmd.algorithms.sampling import few_step_sample
 
         device = self.engine.device
         with self.engine.use_role(Role(role)) as module:

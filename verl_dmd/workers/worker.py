@@ -3,17 +3,11 @@
 Ray pickles this class by reference, so it lives in an importable module
 (TRAPS.md). verl sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in the
 worker's environment; `init_model` joins the process group from them (gloo on
-CPU, nccl on GPU) and builds the session. Every method is registered with
-``blocking=False``: the driver-side group (`verl_dmd.workers.group`) waits on
-the per-rank futures itself, so it can name the rank that failed and enforce
-``trainer.rpc_timeout_s``.
-
-Two dispatch modes:
-
-- broadcast (verl's ``ONE_TO_ALL``): every rank gets the same arguments;
-- ``SPLIT``: tensors (also inside dicts and lists) are split along dim 0 into
-  one contiguous part per rank; other arguments are broadcast. The driver sends
-  batches whose size is a multiple of the world size.
+CPU, nccl on GPU) and builds the session. The other operations of
+`verl_dmd.workers.operations.OPERATIONS` are registered from that table as
+forwards to the session's methods, each with its dispatch and ``blocking=False``:
+the driver-side group (`verl_dmd.workers.group`) waits on the per-rank futures
+itself, so it can name the rank that failed and enforce ``trainer.rpc_timeout_s``.
 """
 
 from __future__ import annotations
@@ -23,39 +17,25 @@ from typing import Any
 
 import torch
 from verl.single_controller.base import Worker
-from verl.single_controller.base.decorator import Dispatch, register
+from verl.single_controller.base.decorator import register
+
+from verl_dmd.workers.operations import OPERATIONS, Dispatch, rank_arguments
 
 
-def split_for_ranks(value: Any, parts: int) -> list[Any]:
-    """`value` split into `parts` contiguous pieces along dim 0 (recursing into dicts and lists)."""
-    if isinstance(value, torch.Tensor):
-        if value.ndim == 0 or value.shape[0] % parts:
-            raise ValueError(
-                f"a tensor of shape {tuple(value.shape)} does not split into {parts} equal parts"
-            )
-        return list(torch.tensor_split(value, parts))
-    if isinstance(value, dict):
-        pieces = {k: split_for_ranks(v, parts) for k, v in value.items()}
-        return [{k: pieces[k][r] for k in value} for r in range(parts)]
-    if isinstance(value, list | tuple) and value and all(isinstance(v, torch.Tensor) for v in value):
-        pieces = [split_for_ranks(v, parts) for v in value]
-        return [[p[r] for p in pieces] for r in range(parts)]
-    return [value] * parts
+def _dispatch_mode(dispatch: Dispatch) -> dict:
+    """A verl dispatch mode: our argument split, and the per-rank results as they come."""
+
+    def dispatch_fn(worker_group, *args, **kwargs):
+        return rank_arguments(dispatch, args, kwargs, worker_group.world_size)
+
+    def collect_fn(worker_group, output):
+        return output
+
+    return {"dispatch_fn": dispatch_fn, "collect_fn": collect_fn}
 
 
-def _dispatch_split(worker_group, *args, **kwargs):
-    parts = worker_group.world_size
-    return (
-        tuple(split_for_ranks(a, parts) for a in args),
-        {k: split_for_ranks(v, parts) for k, v in kwargs.items()},
-    )
-
-
-def _collect_per_rank(worker_group, output):
-    return output
-
-
-SPLIT = {"dispatch_fn": _dispatch_split, "collect_fn": _collect_per_rank}
+def _registered(name: str):
+    return register(dispatch_mode=_dispatch_mode(OPERATIONS[name]), blocking=False)
 
 
 def _ignore_stop_signals() -> None:
@@ -81,8 +61,8 @@ class DiffusionDistillationWorker(Worker):
         self._plan_config = plan_config
         self.session = None
 
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
-    def init_model(self) -> dict[str, Any]:
+    @_registered("init_model")
+    def init_model(self):
         import os
 
         import torch.distributed as dist
@@ -105,35 +85,7 @@ class DiffusionDistillationWorker(Worker):
         self.session = RankSession(plan, rank=self.rank, world_size=self.world_size, device=device)
         return self.session.describe()
 
-    @register(dispatch_mode=SPLIT, blocking=False)
-    def run_phase(self, request, batch):
-        return self.session.run_phase(request, batch)
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
-    def save_checkpoint(self, global_step: int, trainer_state: dict[str, Any]) -> str:
-        return self.session.save_checkpoint(global_step, trainer_state)
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
-    def load_checkpoint(self):
-        return self.session.load_checkpoint()
-
-    @register(dispatch_mode=SPLIT, blocking=False)
-    def euler(self, role, noise, cond, steps, guidance=1.0, uncond=None, chunk=512):
-        return self.session.euler(role, noise, cond, steps, guidance, uncond, chunk)
-
-    @register(dispatch_mode=SPLIT, blocking=False)
-    def few_step(self, role, noise, cond, schedule, renoise):
-        return self.session.few_step(role, noise, cond, schedule, renoise)
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
-    def sleep(self) -> dict:
-        return self.session.sleep()
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
-    def wake(self) -> dict:
-        return self.session.wake()
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    @_registered("shutdown")
     def shutdown(self) -> None:
         import gc
 
@@ -146,3 +98,20 @@ class DiffusionDistillationWorker(Worker):
         gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _forward(name: str):
+    def forward(self, *args, **kwargs):
+        return getattr(self.session, name)(*args, **kwargs)
+
+    forward.__name__ = forward.__qualname__ = name
+    forward.__doc__ = f"RankSession.{name} on this rank."
+    return forward
+
+
+# The session's operations, registered from the one table (ray binds registered methods by scanning the
+# class, so methods set here count as written in the class body).
+for _name in OPERATIONS:
+    if _name not in vars(DiffusionDistillationWorker):
+        setattr(DiffusionDistillationWorker, _name, _registered(_name)(_forward(_name)))
+del _name

@@ -1,9 +1,10 @@
-"""The distillation plan: the validated, immutable description of one training run.
+"""The distillation plan's specs: every user-facing key, its default, its check, and the plan itself.
 
 A `DistillationPlan` is built once from the hydra config (`DistillationPlan.from_config`)
-and never changes. Every user-facing key is a field of a frozen dataclass below;
-unknown keys, wrong types and out-of-range values fail at build time with one
-line naming the key, the value, what is allowed and the fix.
+and never changes. Every user-facing key is a field of a frozen dataclass below,
+documented by the string that follows it (docs/configuration.md is generated from
+these); unknown keys, wrong types and out-of-range values fail at build time with
+one line naming the key, the value, what is allowed and the fix.
 
 `plan.fingerprint()` hashes the fields that change what training computes. The
 keys a resume may change (logging, cadences, total steps, resources, paths of
@@ -15,15 +16,25 @@ Layer 1: no torch, no distribution, no ray, no verl.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import hashlib
 import json
 import math
-import types
-import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
+
+from verl_dmd.plan.schema import (
+    PlanError,
+    build,
+    check_float,
+    check_int,
+    check_types,
+    error,
+    flatten,
+    show,
+    to_plain,
+    without_keys,
+)
 
 FINGERPRINT_SCHEMA = "verl_dmd.plan/1"
 """Prefixed to the canonical JSON before hashing: bump it when a field's meaning changes."""
@@ -41,6 +52,13 @@ TRACKING_BACKENDS = (
     "file",
     "rl_insight",
 )
+
+# Semantic keys added after checkpoints were first written, each with the value that does what verl_dmd did
+# before the key existed. A checkpoint whose plan lacks such a key was trained under that value, so a plan
+# holding it resumes the checkpoint (DistillationPlan.semantic_differences); any other value is a difference.
+ADDED_KEYS: dict[str, Any] = {
+    "algorithm.fake_score_weighting": "uniform",  # after commit 1018912: the loss was the velocity MSE
+}
 
 # Dotted keys (a key covers everything below it) that a resume may change. They
 # shape logging, cadence, placement and outputs, never the sequence of updates.
@@ -69,25 +87,6 @@ RESUME_MUTABLE_KEYS: tuple[str, ...] = (
 )
 
 
-class PlanError(ValueError):
-    """A user-fixable problem in the configuration; the message is one line."""
-
-
-def _show(value: Any) -> str:
-    text = repr(value).replace("\n", " ")
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def _error(key: str, value: Any, allowed: str, fix: str | None = None) -> PlanError:
-    message = f"config key '{key}' = {_show(value)}: {allowed}"
-    if fix:
-        message += f"; fix: {fix}"
-    return PlanError(message)
-
-
-_MISSING = object()
-
-
 # --------------------------------------------------------------------------- specs
 
 
@@ -107,16 +106,16 @@ class LoraSpec:
     """A saved PEFT adapter directory to start from; its rank and alpha must match."""
 
     def validate(self, key: str) -> None:
-        _check_int(f"{key}.rank", self.rank, minimum=0)
+        check_int(f"{key}.rank", self.rank, minimum=0)
         if self.alpha is not None:
-            _check_float(
+            check_float(
                 f"{key}.alpha", self.alpha, "a positive finite number or null (alpha = rank)", low=0.0
             )
         if not 0.0 <= self.dropout < 1.0:
-            raise _error(f"{key}.dropout", self.dropout, "must be in [0, 1)")
+            raise error(f"{key}.dropout", self.dropout, "must be in [0, 1)")
         if self.target_modules is not None:
             if not self.target_modules:
-                raise _error(
+                raise error(
                     f"{key}.target_modules",
                     list(self.target_modules),
                     "must be a non-empty list of module names or null",
@@ -124,16 +123,16 @@ class LoraSpec:
                 )
             for i, name in enumerate(self.target_modules):
                 if not name:
-                    raise _error(f"{key}.target_modules[{i}]", name, "must be a non-empty module name")
+                    raise error(f"{key}.target_modules[{i}]", name, "must be a non-empty module name")
         if self.rank == 0 and (self.alpha is not None or self.target_modules is not None or self.init_path):
-            raise _error(
+            raise error(
                 f"{key}.rank",
                 0,
                 "LoRA options are set but rank 0 means full-weight training",
                 "set a rank >= 1",
             )
         if self.init_path is not None and not self.init_path:
-            raise _error(f"{key}.init_path", self.init_path, "must be a PEFT adapter directory or null")
+            raise error(f"{key}.init_path", self.init_path, "must be a PEFT adapter directory or null")
 
     @property
     def enabled(self) -> bool:
@@ -180,7 +179,7 @@ class ModelSpec:
     """The model family, the storage layout of the roles, and numerics."""
 
     adapter: str = ""
-    """Registered model-adapter name (e.g. digits, sd3, flux, wan); see `verl_dmd.adapters`."""
+    """Registered model-adapter name (e.g. dit, sd3, flux, qwen_image, wan); see `verl_dmd.adapters`."""
     storage: Literal["shared_base_adapters", "independent"] = "shared_base_adapters"
     """shared_base_adapters: LoRA roles on one frozen base (teacher = adapters off); independent: own copies."""
     param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -210,11 +209,11 @@ class ModelSpec:
 
     def validate(self, key: str) -> None:
         if not self.adapter:
-            raise _error(
+            raise error(
                 f"{key}.adapter",
                 self.adapter,
                 "must name a registered model adapter",
-                "set model.adapter (e.g. digits, sd3, flux, wan)",
+                "set model.adapter (e.g. dit, sd3, flux, qwen_image, wan)",
             )
         self.teacher.validate(f"{key}.teacher")
         for role in ("student", "fake_score"):
@@ -223,14 +222,14 @@ class ModelSpec:
             if self.storage == "shared_base_adapters":
                 for name in ("path", "subfolder", "config"):
                     if getattr(spec, name) is not None:
-                        raise _error(
+                        raise error(
                             f"{key}.{role}.{name}",
                             getattr(spec, name),
                             "the shared_base_adapters layout keeps every role on the teacher's base",
                             f"remove {key}.{role}.{name} or set {key}.storage=independent",
                         )
                 if not spec.lora.enabled:
-                    raise _error(
+                    raise error(
                         f"{key}.{role}.lora.rank",
                         spec.lora.rank,
                         "the shared_base_adapters layout trains LoRA adapters, so rank must be >= 1",
@@ -240,10 +239,11 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class AlgorithmSpec:
-    """DMD2 hyper-parameters; conventions in docs/dmd2.md."""
+    """The distillation method and its hyper-parameters (DMD2's; conventions in docs/dmd2.md)."""
 
-    name: Literal["dmd2"] = "dmd2"
-    """The distillation recipe; DMD2 is the one implemented."""
+    name: str = "dmd2"
+    """Registered distillation method (`verl_dmd.algorithms`): dmd2 is built in; a package adds others
+    through the verl_dmd.algorithms entry-point group."""
     fake_update_ratio: int = 5
     """K: fake-score phases per student phase (two time-scale rule); DMD2 runs 5 or 10."""
     fake_warmup_steps: int = 0
@@ -279,40 +279,45 @@ class AlgorithmSpec:
     features, trained with the fake score, and needs real data from the data provider (batch keys real.*)."""
     regression_weight: float = 0.0
     """Weight of the DMD v1 regression term on paired teacher data; needs data.regression_pairs_path."""
+    fake_score_weighting: Literal["uniform", "dmd2_sd", "edm"] = "uniform"
+    """The fake-score denoising loss: uniform (MSE of the model's own prediction, velocity for the flow
+    families); dmd2_sd (MSE of the predicted noise, as DMD2's SD/SDXL code); edm (DMD2's ImageNet/EDM
+    code: error of the x0 estimate weighted 1/sigma_ve^2 + 1/0.5^2); docs/dmd2.md has the formulas."""
 
     def validate(self, key: str) -> None:
-        _check_int(
+        if not self.name:
+            raise error(f"{key}.name", self.name, "must name a registered distillation method",
+                        f"set {key}.name (e.g. dmd2)")  # fmt: skip
+        check_int(
             f"{key}.fake_update_ratio",
             self.fake_update_ratio,
             minimum=1,
             fix=f"set {key}.fake_update_ratio to a positive integer (DMD2: 5)",
         )
-        _check_int(f"{key}.fake_warmup_steps", self.fake_warmup_steps, minimum=0)
-        _check_float(
+        check_int(f"{key}.fake_warmup_steps", self.fake_warmup_steps, minimum=0)
+        check_float(
             f"{key}.teacher_guidance_scale",
             self.teacher_guidance_scale,
             "a finite number >= 0",
             low=0.0,
             closed=True,
         )
-        _check_float(
-            f"{key}.dmd_normalizer_eps", self.dmd_normalizer_eps, "a positive finite number", low=0.0
-        )
+        check_float(f"{key}.dmd_normalizer_eps", self.dmd_normalizer_eps, "a positive finite number", low=0.0)
         for lo_name, hi_name in (("sigma_min", "sigma_max"), ("fake_sigma_min", "fake_sigma_max")):
             lo, hi = getattr(self, lo_name), getattr(self, hi_name)
             for name, value in ((lo_name, lo), (hi_name, hi)):
                 if not (math.isfinite(value) and 0.0 <= value <= 1.0):
-                    raise _error(f"{key}.{name}", value, "must be a noise level in [0, 1]")
+                    raise error(f"{key}.{name}", value, "must be a noise level in [0, 1]")
             if lo > hi:
-                raise _error(f"{key}.{lo_name}", lo, f"must be <= {key}.{hi_name} = {hi}")
-        _check_float(
+                raise error(f"{key}.{lo_name}", lo, f"must be <= {key}.{hi_name} = {hi}")
+        check_float(
             f"{key}.sigma_shift", self.sigma_shift, "a positive finite number (1 = no shift)", low=0.0
         )
-        _check_int(f"{key}.student_steps", self.student_steps, minimum=1)
+        check_int(f"{key}.student_steps", self.student_steps, minimum=1)
         if self.student_sigmas is not None:
             sigmas = self.student_sigmas
             if len(sigmas) != self.student_steps:
-                raise _error(
+                raise error(
                     f"{key}.student_sigmas",
                     list(sigmas),
                     f"must hold exactly {key}.student_steps = {self.student_steps} values",
@@ -320,15 +325,15 @@ class AlgorithmSpec:
                 )
             for i, value in enumerate(sigmas):
                 if not (math.isfinite(value) and 0.0 < value <= 1.0):
-                    raise _error(f"{key}.student_sigmas[{i}]", value, "must be a noise level in (0, 1]")
+                    raise error(f"{key}.student_sigmas[{i}]", value, "must be a noise level in (0, 1]")
                 if i and value >= sigmas[i - 1]:
-                    raise _error(
+                    raise error(
                         f"{key}.student_sigmas[{i}]",
                         value,
                         f"must be < the previous value {sigmas[i - 1]} (strictly decreasing)",
                     )
         for name in ("gan_generator_weight", "gan_discriminator_weight", "regression_weight"):
-            _check_float(
+            check_float(
                 f"{key}.{name}",
                 getattr(self, name),
                 "a finite number >= 0 (0 disables)",
@@ -336,7 +341,7 @@ class AlgorithmSpec:
                 closed=True,
             )
         if self.gan_generator_weight > 0 and self.gan_discriminator_weight == 0:
-            raise _error(
+            raise error(
                 f"{key}.gan_generator_weight",
                 self.gan_generator_weight,
                 "the GAN generator term needs a trained discriminator",
@@ -358,33 +363,33 @@ class SchedulerSpec:
     """warmup_cosine only: final lr as a fraction of lr."""
 
     def validate(self, key: str) -> None:
-        _check_int(f"{key}.warmup_steps", self.warmup_steps, minimum=0)
-        _check_int(f"{key}.decay_steps", self.decay_steps, minimum=0)
+        check_int(f"{key}.warmup_steps", self.warmup_steps, minimum=0)
+        check_int(f"{key}.decay_steps", self.decay_steps, minimum=0)
         if not (math.isfinite(self.min_lr_ratio) and 0.0 <= self.min_lr_ratio <= 1.0):
-            raise _error(f"{key}.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
+            raise error(f"{key}.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
         if self.name == "constant" and self.warmup_steps:
-            raise _error(
+            raise error(
                 f"{key}.warmup_steps",
                 self.warmup_steps,
                 "the constant schedule has no warmup",
                 f"set {key}.name=warmup_constant or {key}.warmup_steps=0",
             )
         if self.name == "warmup_constant" and not self.warmup_steps:
-            raise _error(
+            raise error(
                 f"{key}.warmup_steps",
                 0,
                 "warmup_constant needs warmup_steps >= 1",
                 f"set it, or {key}.name=constant",
             )
         if self.name == "warmup_cosine" and not self.decay_steps:
-            raise _error(
+            raise error(
                 f"{key}.decay_steps",
                 0,
                 "warmup_cosine needs decay_steps >= 1 (the cosine length after warmup)",
                 f"set {key}.decay_steps",
             )
         if self.name != "warmup_cosine" and (self.decay_steps or self.min_lr_ratio):
-            raise _error(
+            raise error(
                 f"{key}.name",
                 self.name,
                 "decay_steps and min_lr_ratio apply only to warmup_cosine",
@@ -409,13 +414,13 @@ class OptimSpec:
     scheduler: SchedulerSpec = field(default_factory=SchedulerSpec)
 
     def validate(self, key: str) -> None:
-        _check_float(f"{key}.lr", self.lr, "a positive finite number", low=0.0)
+        check_float(f"{key}.lr", self.lr, "a positive finite number", low=0.0)
         for i, beta in enumerate(self.betas):
             if not (math.isfinite(beta) and 0.0 <= beta < 1.0):
-                raise _error(f"{key}.betas[{i}]", beta, "must be in [0, 1)")
-        _check_float(f"{key}.eps", self.eps, "a positive finite number", low=0.0)
-        _check_float(f"{key}.weight_decay", self.weight_decay, "a finite number >= 0", low=0.0, closed=True)
-        _check_float(
+                raise error(f"{key}.betas[{i}]", beta, "must be in [0, 1)")
+        check_float(f"{key}.eps", self.eps, "a positive finite number", low=0.0)
+        check_float(f"{key}.weight_decay", self.weight_decay, "a finite number >= 0", low=0.0, closed=True)
+        check_float(
             f"{key}.grad_clip", self.grad_clip, "a finite number >= 0 (0 disables)", low=0.0, closed=True
         )
         self.scheduler.validate(f"{key}.scheduler")
@@ -437,8 +442,8 @@ class BatchSpec:
     """Micro-batches accumulated into one optimizer step."""
 
     def validate(self, key: str) -> None:
-        _check_int(f"{key}.micro_batch_size", self.micro_batch_size, minimum=1)
-        _check_int(f"{key}.accumulation_steps", self.accumulation_steps, minimum=1)
+        check_int(f"{key}.micro_batch_size", self.micro_batch_size, minimum=1)
+        check_int(f"{key}.accumulation_steps", self.accumulation_steps, minimum=1)
 
 
 @dataclass(frozen=True)
@@ -460,8 +465,8 @@ class EmaSpec:
 
     def validate(self, key: str) -> None:
         if not (math.isfinite(self.decay) and 0.0 < self.decay < 1.0):
-            raise _error(f"{key}.decay", self.decay, "must be in (0, 1)", "use 0.99 to 0.999")
-        _check_int(f"{key}.start_step", self.start_step, minimum=0)
+            raise error(f"{key}.decay", self.decay, "must be in (0, 1)", "use 0.99 to 0.999")
+        check_int(f"{key}.start_step", self.start_step, minimum=0)
 
 
 @dataclass(frozen=True)
@@ -479,9 +484,9 @@ class DataSpec:
 
     def validate(self, key: str) -> None:
         if not self.name:
-            raise _error(f"{key}.name", self.name, "must name a data provider", "set data.name (e.g. digits)")
+            raise error(f"{key}.name", self.name, "must name a data provider", "set data.name (e.g. digits)")
         if self.name == "embeddings" and not self.path:
-            raise _error(
+            raise error(
                 f"{key}.path",
                 self.path,
                 "the embeddings provider reads precomputed embeddings",
@@ -515,20 +520,20 @@ class TrainerSpec:
     """Show a progress bar (step, phase, losses, throughput)."""
 
     def validate(self, key: str) -> None:
-        _check_int(f"{key}.total_steps", self.total_steps, minimum=1)
-        _check_int(f"{key}.seed", self.seed, minimum=0)
-        _check_int(f"{key}.log_every", self.log_every, minimum=1)
-        _check_int(f"{key}.max_consecutive_skips", self.max_consecutive_skips, minimum=0)
-        _check_float(
+        check_int(f"{key}.total_steps", self.total_steps, minimum=1)
+        check_int(f"{key}.seed", self.seed, minimum=0)
+        check_int(f"{key}.log_every", self.log_every, minimum=1)
+        check_int(f"{key}.max_consecutive_skips", self.max_consecutive_skips, minimum=0)
+        check_float(
             f"{key}.rpc_timeout_s", self.rpc_timeout_s, "a positive finite number of seconds", low=0.0
         )
         if not self.output_dir:
-            raise _error(f"{key}.output_dir", self.output_dir, "must be a directory path")
+            raise error(f"{key}.output_dir", self.output_dir, "must be a directory path")
         if not self.loggers:
-            raise _error(f"{key}.loggers", [], "must list at least one backend", "use [console]")
+            raise error(f"{key}.loggers", [], "must list at least one backend", "use [console]")
         for i, backend in enumerate(self.loggers):
             if backend not in TRACKING_BACKENDS:
-                raise _error(f"{key}.loggers[{i}]", backend, f"allowed: {', '.join(TRACKING_BACKENDS)}")
+                raise error(f"{key}.loggers[{i}]", backend, f"allowed: {', '.join(TRACKING_BACKENDS)}")
 
 
 @dataclass(frozen=True)
@@ -551,8 +556,8 @@ class ResourceSpec:
     (slower release, no tensor re-pointed). Same math either way."""
 
     def validate(self, key: str) -> None:
-        _check_int(f"{key}.nnodes", self.nnodes, minimum=1)
-        _check_int(f"{key}.workers_per_node", self.workers_per_node, minimum=1)
+        check_int(f"{key}.nnodes", self.nnodes, minimum=1)
+        check_int(f"{key}.workers_per_node", self.workers_per_node, minimum=1)
 
     @property
     def world_size(self) -> int:
@@ -577,21 +582,23 @@ class CheckpointSpec:
     """Check every file's SHA-256 on load (sizes are always checked)."""
 
     def validate(self, key: str) -> None:
-        _check_int(f"{key}.save_every", self.save_every, minimum=0)
-        _check_int(f"{key}.keep_last", self.keep_last, minimum=0)
-        _check_int(f"{key}.keep_every", self.keep_every, minimum=0)
+        check_int(f"{key}.save_every", self.save_every, minimum=0)
+        check_int(f"{key}.keep_last", self.keep_last, minimum=0)
+        check_int(f"{key}.keep_every", self.keep_every, minimum=0)
         if not self.resume:
-            raise _error(
+            raise error(
                 f"{key}.resume", self.resume, "allowed: auto, disable, or a checkpoint directory path"
             )
         if self.root is not None and not self.root:
-            raise _error(f"{key}.root", self.root, "must be a directory path or null")
+            raise error(f"{key}.root", self.root, "must be a directory path or null")
 
 
 @dataclass(frozen=True)
 class ValidationSpec:
     """Sampling and quality metrics during training."""
 
+    name: str = ""
+    """Registered validator; empty: the data provider's own (digits: the quality table; embeddings: none)."""
     every: int = 0
     """Validate every N global steps; 0 only at the end."""
     num_samples: int = 64
@@ -602,14 +609,14 @@ class ValidationSpec:
     """Roles to sample from."""
 
     def validate(self, key: str) -> None:
-        _check_int(f"{key}.every", self.every, minimum=0)
-        _check_int(f"{key}.num_samples", self.num_samples, minimum=1)
+        check_int(f"{key}.every", self.every, minimum=0)
+        check_int(f"{key}.num_samples", self.num_samples, minimum=1)
         if not self.sampling_steps:
-            raise _error(f"{key}.sampling_steps", [], "must list at least one step count")
+            raise error(f"{key}.sampling_steps", [], "must list at least one step count")
         for i, steps in enumerate(self.sampling_steps):
-            _check_int(f"{key}.sampling_steps[{i}]", steps, minimum=1)
+            check_int(f"{key}.sampling_steps[{i}]", steps, minimum=1)
         if not self.roles:
-            raise _error(f"{key}.roles", [], "must list at least one role")
+            raise error(f"{key}.roles", [], "must list at least one role")
 
 
 @dataclass(frozen=True)
@@ -629,13 +636,11 @@ class ExportSpec:
 
     def validate(self, key: str) -> None:
         if not self.formats:
-            raise _error(f"{key}.formats", [], "must list at least one of: peft, diffusers, pipeline")
+            raise error(f"{key}.formats", [], "must list at least one of: peft, diffusers, pipeline")
         if len(set(self.formats)) != len(self.formats):
-            raise _error(
-                f"{key}.formats", list(self.formats), "lists a format twice", "list each format once"
-            )
+            raise error(f"{key}.formats", list(self.formats), "lists a format twice", "list each format once")
         if "pipeline" in self.formats and not self.pipeline_source:
-            raise _error(
+            raise error(
                 f"{key}.pipeline_source",
                 self.pipeline_source,
                 "the pipeline format copies a local diffusers pipeline directory",
@@ -678,7 +683,7 @@ class DistillationPlan:
     )
 
     def __post_init__(self) -> None:
-        _check_types(self, "")
+        check_types(self, "")
         self.algorithm.validate("algorithm")
         self.model.validate("model")
         for role in ("student", "fake_score"):
@@ -695,35 +700,35 @@ class DistillationPlan:
 
     def _validate_across_sections(self) -> None:
         if self.algorithm.regression_weight > 0 and not self.data.regression_pairs_path:
-            raise _error(
+            raise error(
                 "data.regression_pairs_path",
                 self.data.regression_pairs_path,
                 "algorithm.regression_weight > 0 needs paired (noise, teacher sample) data",
                 "set data.regression_pairs_path or algorithm.regression_weight=0",
             )
         if self.export.role == "student_ema" and not self.ema.enabled:
-            raise _error(
+            raise error(
                 "export.role",
                 self.export.role,
                 "ema.enabled is false, so there is no student_ema to export",
                 "set export.role=student or ema.enabled=true",
             )
         if "student_ema" in self.validation.roles and not self.ema.enabled:
-            raise _error(
+            raise error(
                 "validation.roles",
                 list(self.validation.roles),
                 "ema.enabled is false, so student_ema cannot be sampled",
                 "remove student_ema from validation.roles or set ema.enabled=true",
             )
         if self.data.name == "digits" and self.validation.num_samples < 10:
-            raise _error(
+            raise error(
                 "validation.num_samples",
                 self.validation.num_samples,
                 "the digits quality table needs at least one sample per class (10)",
                 "set validation.num_samples to 10 or more (64 is the default)",
             )
         if "peft" in self.export.formats and not self.model.student.lora.enabled:
-            raise _error(
+            raise error(
                 "export.formats",
                 list(self.export.formats),
                 "the peft format needs a LoRA student but model.student.lora.rank is 0",
@@ -758,17 +763,17 @@ class DistillationPlan:
                 f"config is a {type(config).__name__}: must be a mapping or an OmegaConf DictConfig"
             )
         config.pop("hydra", None)
-        return _build(cls, config, "")
+        return build(cls, config, "")
 
     # -- views
 
     def to_dict(self) -> dict[str, Any]:
         """Plain, JSON-serialisable nested dict of every key (tuples as lists)."""
-        return _to_plain(self)
+        return to_plain(self)
 
     def semantic_dict(self) -> dict[str, Any]:
         """The nested dict of the keys that define training (RESUME_MUTABLE_KEYS removed)."""
-        return _without_keys(self.to_dict(), RESUME_MUTABLE_KEYS)
+        return without_keys(self.to_dict(), RESUME_MUTABLE_KEYS)
 
     def check_local_paths(self) -> None:
         """Fail (one line naming the key) if a local input the run reads at start-up is missing.
@@ -790,26 +795,26 @@ class DistillationPlan:
             try:
                 folder = Path(resolve_model_path(spec.path)).expanduser()
             except ValueError as err:
-                raise PlanError(f"config key '{key}' = {_show(spec.path)}: {err}") from None
+                raise PlanError(f"config key '{key}' = {show(spec.path)}: {err}") from None
             if not folder.is_dir():
-                raise _error(key, spec.path, "no such local directory", fix_model)
+                raise error(key, spec.path, "no such local directory", fix_model)
             if spec.subfolder and not (folder / spec.subfolder).is_dir():
-                raise _error(f"model.{role}.subfolder", spec.subfolder, f"no such folder in {spec.path}",
+                raise error(f"model.{role}.subfolder", spec.subfolder, f"no such folder in {spec.path}",
                              "name the folder that holds the denoiser's config.json (e.g. transformer)")  # fmt: skip
         for role in ("student", "fake_score"):
             init = getattr(self.model, role).lora.init_path
             if init and not (Path(init).expanduser() / "adapter_config.json").is_file():
-                raise _error(f"model.{role}.lora.init_path", init, "no adapter_config.json there",
+                raise error(f"model.{role}.lora.init_path", init, "no adapter_config.json there",
                              "point it at a PEFT adapter directory (e.g. an export's peft/ folder)")  # fmt: skip
         if self.data.path and not Path(self.data.path).expanduser().exists():
-            raise _error(
+            raise error(
                 "data.path", self.data.path, "no such file or directory", "point it at the prepared data"
             )
         if (
             "pipeline" in self.export.formats
             and not (Path(self.export.pipeline_source) / "model_index.json").is_file()
         ):
-            raise _error("export.pipeline_source", self.export.pipeline_source, "no model_index.json there",
+            raise error("export.pipeline_source", self.export.pipeline_source, "no model_index.json there",
                          "point it at the teacher's local diffusers pipeline directory")  # fmt: skip
 
     def fingerprint(self) -> str:
@@ -820,7 +825,9 @@ class DistillationPlan:
         """(dotted key, other's value, this plan's value) for every semantic key that differs.
 
         `other_semantic` is another plan's `semantic_dict()` (e.g. from a
-        checkpoint manifest); a key present on one side only shows as `<absent>`.
+        checkpoint manifest); a key present on one side only shows as `<absent>`, except a key of
+        `ADDED_KEYS` that the other side lacks while this plan holds the value listed there (the
+        behaviour before the key existed).
         """
         mine = flatten(self.semantic_dict())
         theirs = flatten(dict(other_semantic))
@@ -829,6 +836,7 @@ class DistillationPlan:
             (key, theirs.get(key, absent), mine.get(key, absent))
             for key in sorted(set(mine) | set(theirs))
             if theirs.get(key, absent) != mine.get(key, absent)
+            and not (key not in theirs and key in ADDED_KEYS and mine[key] == ADDED_KEYS[key])
         ]
 
 
@@ -840,219 +848,30 @@ def fingerprint_of(semantic: Mapping[str, Any]) -> str:
     return hashlib.sha256(f"{FINGERPRINT_SCHEMA}\n{canonical}".encode()).hexdigest()
 
 
-def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Dotted-key view of a nested dict; leaves (including lists and model configs) stay whole.
-
-    Model configs are leaves so that a changed config shows as one key.
-    """
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        dotted = f"{prefix}.{key}" if prefix else key
-        if isinstance(value, Mapping) and not dotted.endswith(".config"):
-            out.update(flatten(value, dotted))
-        else:
-            out[dotted] = value
-    return out
-
-
 def plan_keys() -> list[str]:
     """Every dotted key a config may set (for docs and tests)."""
-    return sorted(flatten(_to_plain(_defaults_without_validation())))
-
-
-# --------------------------------------------------------------------------- helpers
-
-
-def _check_int(key: str, value: Any, *, minimum: int, fix: str | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise _error(key, value, f"must be an integer >= {minimum}", fix)
-
-
-def _check_float(key: str, value: float, allowed: str, *, low: float, closed: bool = False) -> None:
-    ok = math.isfinite(value) and (value >= low if closed else value > low)
-    if not ok:
-        raise _error(key, value, f"must be {allowed}")
+    return sorted(flatten(to_plain(_defaults_without_validation())))
 
 
 def _check_source(key: str, path: str | None, subfolder: str | None, config: Any, *, required: bool) -> None:
+    """A model source: a path or a config, not both (the teacher needs one); a subfolder only with a path."""
     if required and not path and config is None:
-        raise _error(
+        raise error(
             f"{key}.path",
             path,
             "the teacher needs a source",
             f"set {key}.path to a local diffusers model directory, or {key}.config to build one",
         )
     if path is not None and not path:
-        raise _error(f"{key}.path", path, "must be a local model directory or null")
+        raise error(f"{key}.path", path, "must be a local model directory or null")
     if path is not None and config is not None:
-        raise _error(
+        raise error(
             f"{key}.config", "<config>", f"give {key}.path or {key}.config, not both", "remove one of the two"
         )
     if subfolder is not None and path is None:
-        raise _error(
+        raise error(
             f"{key}.subfolder", subfolder, f"only applies with {key}.path", f"set {key}.path or remove it"
         )
-    if required and path is None and config is None:
-        raise _error(
-            f"{key}.path",
-            None,
-            "the teacher needs a source",
-            f"set {key}.path to a local diffusers model directory, or {key}.config to build one",
-        )
-
-
-_SCALARS = (int, float, bool, str)
-
-
-def _type_name(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        return "one of " + ", ".join(str(a) for a in typing.get_args(tp))
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join("null" if a is type(None) else _type_name(a) for a in typing.get_args(tp))
-    if origin is tuple:
-        args = typing.get_args(tp)
-        if len(args) == 2 and args[1] is Ellipsis:
-            return f"a list of {_type_name(args[0])}"
-        return f"a list of {len(args)} values"
-    if origin is not None and issubclass(origin, Mapping):
-        return "a mapping"
-    if dataclasses.is_dataclass(tp):
-        return "a mapping"
-    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, str(tp))
-
-
-def _coerce(tp: Any, value: Any, key: str) -> Any:
-    """Check `value` against the annotation `tp`; return it in canonical (frozen) form."""
-    origin = typing.get_origin(tp)
-    if dataclasses.is_dataclass(tp):
-        return _build(tp, value, key)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        non_null = [a for a in args if a is not type(None)]
-        for candidate in non_null:
-            try:
-                return _coerce(candidate, value, key)
-            except PlanError:
-                if len(non_null) == 1:
-                    raise
-        raise _error(key, value, f"must be {_type_name(tp)}")
-    if origin is Literal:
-        allowed = typing.get_args(tp)
-        if isinstance(value, str) and value in allowed:
-            return value
-        suggestion = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1)
-        fix = f"did you mean {suggestion[0]!r}?" if suggestion else None
-        raise _error(key, value, f"allowed: {', '.join(str(a) for a in allowed)}", fix)
-    if origin is tuple:
-        if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, (list, tuple)):
-            raise _error(key, value, f"must be {_type_name(tp)}")
-        args = typing.get_args(tp)
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_coerce(args[0], item, f"{key}[{i}]") for i, item in enumerate(value))
-        if len(value) != len(args):
-            raise _error(key, list(value), f"must be {_type_name(tp)}")
-        return tuple(
-            _coerce(a, item, f"{key}[{i}]") for i, (a, item) in enumerate(zip(args, value, strict=True))
-        )
-    if origin is not None and isinstance(origin, type) and issubclass(origin, Mapping):
-        if not isinstance(value, Mapping):
-            raise _error(key, value, "must be a mapping")
-        return _freeze(value, key)
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise _error(key, value, "must be true or false")
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise _error(key, value, "must be an integer")
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        raise _error(key, value, "must be a number", "write it unquoted, e.g. 1.0e-4")
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise _error(key, value, "must be a string")
-    if tp is Any:
-        return _freeze(value, key)
-    raise TypeError(f"plan field {key} has an unsupported annotation {tp!r}")  # a bug in this module
-
-
-def _freeze(value: Any, key: str) -> Any:
-    """Deep-freeze an opaque mapping (model configs): dicts become read-only, lists tuples."""
-    if isinstance(value, Mapping):
-        out = {}
-        for k, v in value.items():
-            if not isinstance(k, str):
-                raise _error(f"{key}.{k}", k, "mapping keys must be strings")
-            out[k] = _freeze(v, f"{key}.{k}")
-        return types.MappingProxyType(out)
-    if isinstance(value, (list, tuple)):
-        return tuple(_freeze(v, f"{key}[{i}]") for i, v in enumerate(value))
-    if value is None or isinstance(value, _SCALARS):
-        if isinstance(value, float) and not math.isfinite(value):
-            raise _error(key, value, "must be finite")
-        return value
-    raise _error(key, value, "must be a number, string, boolean, null, list or mapping")
-
-
-def _build(cls: type, data: Any, prefix: str) -> Any:
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    if not isinstance(data, Mapping):
-        raise _error(prefix or "<root>", data, f"must be a mapping with keys {', '.join(fields)}")
-    for name in data:
-        if name not in fields:
-            key = f"{prefix}.{name}" if prefix else str(name)
-            close = difflib.get_close_matches(str(name), list(fields), n=1)
-            hint = f"did you mean '{close[0]}'?" if close else f"allowed keys here: {', '.join(fields)}"
-            raise PlanError(f"config key '{key}' is unknown; {hint}")
-    kwargs = {}
-    for name in fields:
-        if name in data:
-            kwargs[name] = _coerce(hints[name], data[name], f"{prefix}.{name}" if prefix else name)
-    return cls(**kwargs)
-
-
-def _check_types(obj: Any, prefix: str) -> None:
-    """Re-check annotations for plans built directly (not through from_config)."""
-    hints = typing.get_type_hints(type(obj))
-    for f in dataclasses.fields(obj):
-        key = f"{prefix}.{f.name}" if prefix else f.name
-        value = getattr(obj, f.name)
-        if dataclasses.is_dataclass(hints[f.name]):
-            if not isinstance(value, hints[f.name]):
-                raise _error(key, value, f"must be a {hints[f.name].__name__}")
-            _check_types(value, key)
-        else:
-            canonical = _coerce(hints[f.name], value, key)
-            if canonical is not value:
-                object.__setattr__(obj, f.name, canonical)
-
-
-def _to_plain(obj: Any) -> Any:
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-    if isinstance(obj, Mapping):
-        return {k: _to_plain(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_to_plain(v) for v in obj]
-    return obj
-
-
-def _without_keys(tree: dict[str, Any], dotted_keys: tuple[str, ...]) -> dict[str, Any]:
-    out = json.loads(json.dumps(tree))  # deep copy of plain data
-    for dotted in dotted_keys:
-        node = out
-        *parents, leaf = dotted.split(".")
-        for part in parents:
-            node = node.get(part, {})
-        node.pop(leaf, None)
-    return out
 
 
 def _defaults_without_validation() -> DistillationPlan:

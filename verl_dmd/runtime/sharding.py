@@ -1,0 +1,131 @@
+"""FSDP2 for the role engine's models: mixed precision, units, CPU offload, activation checkpointing, compile.
+
+Functions the role engine calls once per model at construction, in this order:
+`store_frozen_in_compute_dtype`, `shard`, `compile_units`, then (after its
+parameter lists exist) `finish_lazy_init`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+from verl_dmd.plan import ModelSpec
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+COMPILE_CACHE_SIZE = 64
+"""torch._dynamo's cache size limit while model.compile is on. One block's compiled forward needs a variant
+per guard combination: role (adapters on/off, which adapter), grad mode, train/eval, and the blocks that
+differ (e.g. SD3's last, context_pre_only); torch's default of 8 would make the rest run eagerly, silently."""
+
+
+def store_frozen_in_compute_dtype(
+    models: dict[str, nn.Module], spec: ModelSpec, is_trainable: Callable[[str, str], bool]
+) -> None:
+    """With low-precision compute (model.param_dtype), keep frozen weights in that dtype.
+
+    FSDP2 casts every parameter to param_dtype at each all-gather, so a frozen weight stored in
+    float32 only ever enters compute as its low-precision rounding: storing that rounding once gives
+    the same forwards bit for bit, with half the memory and sleep/wake bytes, and no cast kernels per
+    parameter at each gather. `is_trainable(model name, parameter name)` spares every role's
+    parameters (and declared extra modules), which keep their float32 master copies.
+    """
+    dtype = DTYPES[spec.param_dtype]
+    if dtype is torch.float32:
+        return
+    with torch.no_grad():
+        for model_name, model in models.items():
+            for name, param in model.named_parameters():
+                if not is_trainable(model_name, name) and param.is_floating_point():
+                    param.data = param.data.to(dtype)
+
+
+def shard(
+    model: nn.Module,
+    spec: ModelSpec,
+    fsdp_units: Callable[[nn.Module], Sequence[nn.Module]],
+    *,
+    mesh,
+    device: torch.device,
+    offload: bool,
+    extra_units: Iterable[nn.Module] = (),
+) -> None:
+    """`fully_shard` every unit (the adapter's `fsdp_units(model)` unless model.fsdp_units=model, then
+    `extra_units`), then the model as the root, with the plan's mixed precision, resharding and offload
+    settings. Activation checkpointing wraps the adapter's units first; the units are listed again after
+    it, so FSDP2 shards the wrappers."""
+    param_dtype = DTYPES[spec.param_dtype]
+    reduce_dtype = DTYPES[spec.reduce_dtype]
+    # Without low-precision parameters, "reduce in float32" means "reduce in the parameters'
+    # own dtype": forcing float32 would round float64 gradients (seen in the float64 tests).
+    mixed = param_dtype is not torch.float32
+    mp_policy = MixedPrecisionPolicy(
+        param_dtype=param_dtype if mixed else None,
+        reduce_dtype=None if not mixed and reduce_dtype is torch.float32 else reduce_dtype,
+    )
+    kwargs = {"mesh": mesh, "mp_policy": mp_policy}
+    if not spec.reshard_after_forward:
+        # Keep gathered weights after forward; the engine reshards every unit itself when a phase
+        # ends and at role switches outside phases. Otherwise FSDP2's default: non-root units reshard
+        # after forward, the root keeps its weights until backward (passing True would reshard the
+        # root too, and an autograd.grad through it after its forward then fails: TRAPS-like, seen
+        # in the GAN generator term).
+        kwargs["reshard_after_forward"] = False
+    if offload and spec.teacher.cpu_offload:
+        # pin_memory needs an accelerator (TRAPS: CPUOffloadPolicy on CPU).
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    if spec.activation_checkpointing:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+        ids = set(map(id, fsdp_units(model)))
+        apply_activation_checkpointing(model, check_fn=lambda m: id(m) in ids)
+    units = list(fsdp_units(model)) if spec.fsdp_units == "blocks" else []
+    for unit in [*units, *extra_units]:
+        fully_shard(unit, **kwargs)
+    fully_shard(model, **kwargs)
+
+
+def compile_units(units: Iterable[nn.Module], backend: str) -> None:
+    """torch.compile the forward of every unit (model.compile).
+
+    Only the unit's own `forward` is compiled (an instance attribute over the class's): FSDP2's hooks
+    and activation-checkpoint wrappers stay outside the graph. Blocks of one class share their code,
+    so one compilation per guard variant serves all of them; a role switch (PEFT's active adapter,
+    adapters disabled, requires_grad) is a guard, so a stale graph cannot run. After this, never
+    deepcopy a model: the copy's `forward` would still be the compiled function bound to the original.
+    """
+    from torch._dynamo import config as dynamo_config
+
+    if dynamo_config.cache_size_limit < COMPILE_CACHE_SIZE:
+        logger.info(
+            "model.compile: raising torch._dynamo.config.cache_size_limit from %d to %d (process-wide)",
+            dynamo_config.cache_size_limit,
+            COMPILE_CACHE_SIZE,
+        )
+        dynamo_config.cache_size_limit = COMPILE_CACHE_SIZE
+    for unit in units:
+        inner = getattr(unit, "_checkpoint_wrapped_module", unit)
+        inner.forward = torch.compile(inner.forward, backend=backend)
+
+
+def finish_lazy_init(models: Iterable[nn.Module], trainable: Iterable[nn.Parameter]) -> None:
+    """Run FSDP2's lazy init now, with every `trainable` parameter marked trainable (left frozen after).
+
+    FSDP2 fixes each group's gradient dtype at the first forward from the parameters requiring grad
+    then; a first forward by a frozen role would leave low-precision gradients meeting fp32 shards
+    later (TRAPS).
+    """
+    trainable = list(trainable)
+    for p in trainable:
+        p.requires_grad_(True)
+    for model in models:
+        model._get_fsdp_state()._lazy_init()
+    for p in trainable:
+        p.requires_grad_(False)

@@ -1,0 +1,80 @@
+"""The driver's two extension points: data providers (`data.name`) and validators (`validation.name`).
+
+A data provider is a class registered with ``@register_data_provider("<name>")``:
+``from_plan(plan, group, info, log)`` builds it on the driver (it may ask the worker
+group to sample, as digits does for its teacher pairs); ``next_batch(size)`` returns
+the next global batch; ``state_dict()`` / ``load_state_dict()`` hold its position
+(plain numbers: it is checkpointed); its class attribute ``validator`` names the
+validator that suits its data (None: none), used while ``validation.name`` is empty.
+
+A validator is a class registered with ``@register_validator("<name>")``:
+``from_plan(plan, group, info)`` builds it; ``run(out_dir)`` samples through the
+worker group, writes what people look at under `out_dir` and returns a
+`ValidationReport`. Packages add their own through the ``verl_dmd.data_providers``
+and ``verl_dmd.validators`` entry-point groups.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from verl_dmd.registry import Registry
+
+_BUILTINS = ("verl_dmd.trainer.digits", "verl_dmd.trainer.embeddings")
+
+
+def _has_from_plan(kind: str) -> Callable[[str, object], None]:
+    def check(name: str, entry: object) -> None:
+        if not (isinstance(entry, type) and callable(getattr(entry, "from_plan", None))):
+            raise TypeError(f"@register_{kind}({name!r}) needs a class with a classmethod from_plan")
+
+    return check
+
+
+DATA_PROVIDERS: Registry[type] = Registry(
+    "data provider",
+    key="data.name",
+    entry_point_group="verl_dmd.data_providers",
+    builtin_modules=_BUILTINS,
+    check=_has_from_plan("data_provider"),
+)
+VALIDATORS: Registry[type] = Registry(
+    "validator",
+    key="validation.name",
+    entry_point_group="verl_dmd.validators",
+    builtin_modules=_BUILTINS,
+    check=_has_from_plan("validator"),
+)
+
+
+def register_data_provider(name: str):
+    """Class decorator: make a data provider available as ``data.name=<name>``."""
+    return DATA_PROVIDERS.register(name)
+
+
+def register_validator(name: str):
+    """Class decorator: make a validator available as ``validation.name=<name>``."""
+    return VALIDATORS.register(name)
+
+
+def validator_name(plan) -> str | None:
+    """The validator a run uses: validation.name, else the data provider's own (None: no validation)."""
+    if plan.validation.name:
+        return plan.validation.name
+    return getattr(DATA_PROVIDERS.get(plan.data.name), "validator", None)
+
+
+@dataclass(frozen=True)
+class ValidationReport:
+    """What one validation found: a markdown table for people, metrics for the loggers."""
+
+    title: str
+    """What was measured (e.g. "digits quality")."""
+    scope: str
+    """How (e.g. "500 samples per row against the 360 held-out digits")."""
+    table: str
+    metrics: dict[str, float] = field(default_factory=dict)
+    samples: Path | None = None
+    """Where the samples and their pictures are."""
