@@ -63,7 +63,7 @@ def train(args) -> torch.nn.Module:
         x_t = losses.add_noise(x0, eps, sigma)
         # DiT drops 10% of labels to its null class in train mode: the teacher learns CFG.
         velocity = adapter.predict(model, x_t, sigma, {"class_labels": labels})
-        loss = losses.fake_score_loss(velocity, x0, eps)
+        loss = losses.fake_score_loss(velocity, losses.prediction_target("velocity", x0, eps))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()

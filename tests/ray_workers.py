@@ -5,9 +5,7 @@ from __future__ import annotations
 import os
 import time
 
-from verl.single_controller.base.decorator import register
-
-from verl_dmd.workers.worker import SPLIT, DiffusionDistillationWorker
+from verl_dmd.workers.worker import DiffusionDistillationWorker, operation
 
 FAULT_PHASE = 2
 """The phase (index) at which rank 1 misbehaves."""
@@ -16,7 +14,7 @@ FAULT_PHASE = 2
 class RaisingWorker(DiffusionDistillationWorker):
     """Rank 1 raises in its third phase; rank 0 is then stuck in that phase's collectives."""
 
-    @register(dispatch_mode=SPLIT, blocking=False)
+    @operation("run_phase")
     def run_phase(self, request, batch):
         if self.rank == 1 and request.phase_index == FAULT_PHASE:
             raise ValueError("injected failure on purpose")
@@ -26,7 +24,7 @@ class RaisingWorker(DiffusionDistillationWorker):
 class HangingWorker(DiffusionDistillationWorker):
     """Rank 1 stops answering in its third phase (it sleeps far beyond the timeout)."""
 
-    @register(dispatch_mode=SPLIT, blocking=False)
+    @operation("run_phase")
     def run_phase(self, request, batch):
         if self.rank == 1 and request.phase_index == FAULT_PHASE:
             time.sleep(float(os.environ.get("VERL_DMD_TEST_HANG_S", "3600")))
@@ -36,7 +34,7 @@ class HangingWorker(DiffusionDistillationWorker):
 class DyingWorker(DiffusionDistillationWorker):
     """Rank 1's process exits in its third phase (as after an out-of-memory kill)."""
 
-    @register(dispatch_mode=SPLIT, blocking=False)
+    @operation("run_phase")
     def run_phase(self, request, batch):
         if self.rank == 1 and request.phase_index == FAULT_PHASE:
             os._exit(3)

@@ -34,7 +34,9 @@ def _dispatch_mode(dispatch: Dispatch) -> dict:
     return {"dispatch_fn": dispatch_fn, "collect_fn": collect_fn}
 
 
-def _registered(name: str):
+def operation(name: str):
+    """verl's registration of operation `name` (its dispatch, non-blocking); a subclass that overrides an
+    operation decorates its method with it (``@operation("run_phase")``)."""
     return register(dispatch_mode=_dispatch_mode(OPERATIONS[name]), blocking=False)
 
 
@@ -61,7 +63,7 @@ class DiffusionDistillationWorker(Worker):
         self._plan_config = plan_config
         self.session = None
 
-    @_registered("init_model")
+    @operation("init_model")
     def init_model(self):
         import os
 
@@ -85,7 +87,7 @@ class DiffusionDistillationWorker(Worker):
         self.session = RankSession(plan, rank=self.rank, world_size=self.world_size, device=device)
         return self.session.describe()
 
-    @_registered("shutdown")
+    @operation("shutdown")
     def shutdown(self) -> None:
         import gc
 
@@ -113,5 +115,5 @@ def _forward(name: str):
 # class, so methods set here count as written in the class body).
 for _name in OPERATIONS:
     if _name not in vars(DiffusionDistillationWorker):
-        setattr(DiffusionDistillationWorker, _name, _registered(_name)(_forward(_name)))
+        setattr(DiffusionDistillationWorker, _name, operation(_name)(_forward(_name)))
 del _name
