@@ -228,7 +228,7 @@ def test_a_toy_of_another_parameterization_trains_and_samples_like_the_reference
     root, reference = velocity_runs
     got = _run(root, toy, "dmd2_sd")
     # Rounding alone: float32's 1.2e-7, amplified up to 1 / (1 - 0.95) = 20 by the conversions and by a few
-    # training steps; measured 2-5e-6 (docs/architecture.md). A velocity assumption is an O(1) error; the
+    # training steps. A velocity assumption is an O(1) error; the
     # other objective (uniform) moves the weights by ~3e-4.
     assert float((got["pairs"] - reference["dmd2_sd"]["pairs"]).abs().max()) < 5e-5
     assert _relative(got["weights"], reference["dmd2_sd"]["weights"]) < 3e-5

@@ -198,18 +198,6 @@ def _json_ready(config: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _peft_base_path(plan, log: Callable[[str], None]) -> str | None:
-    """The directory the student's adapter applies to (named in adapter_config.json), or None."""
-    student = plan.model.student
-    if plan.model.storage == "independent" and student.path:
-        return student.path
-    if plan.model.storage == "independent" and student.config is not None:
-        log("export: note: the student's base was built from model.student.config, not the teacher; "
-            "load the adapter onto that model")  # fmt: skip
-        return None  # a config-built base: no directory to name
-    return plan.model.teacher.path
-
-
 def _write_peft(
     model: nn.Module, adapter_name: str, component: str, base_path: str | None, out: Path
 ) -> None:
@@ -374,8 +362,8 @@ def export_checkpoint(
     if _existing_export(target, found, if_exists, log):
         return target
     log(f"export: reading role {role.value} from {found.path}")
-    loaded = load_role(layout_for(plan, adapter), found, role)
-    model, adapter_name = loaded.model, loaded.selection.adapter
+    layout = layout_for(plan, adapter)
+    loaded = load_role(layout, found, role)
     config = dmd2_config(plan, adapter.sigma_max)
 
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -384,33 +372,8 @@ def export_checkpoint(
         shutil.rmtree(staging)
     staging.mkdir()
     try:
-        if "peft" in formats:
-            _write_peft(model, adapter_name, component, _peft_base_path(plan, log), staging / PEFT_DIR)
-            log(f"export: wrote the PEFT adapter ({loaded.tensor_count} tensors)")
-        if "diffusers" in formats or "pipeline" in formats:
-            _merge(model, loaded.base_keys, adapter_name, formats, role)
-            if "diffusers" in formats:
-                model.save_pretrained(str(staging / DIFFUSERS_DIR), safe_serialization=True)
-                log("export: wrote the merged diffusers model")
-            if pipeline is not None:
-                _write_pipeline(model, pipeline, component, config, staging / PIPELINE_DIR)
-                log(f"export: wrote the pipeline from {pipeline[0]} with the student as {component}")
-        files = {
-            str(path.relative_to(staging)): file_sha256(path)
-            for path in sorted(staging.rglob("*"))
-            if path.is_file()
-        }
-        info = {
-            "checkpoint": str(found.path),
-            "global_step": found.global_step,
-            "plan_fingerprint": found.manifest["plan_fingerprint"],
-            "manifest_sha256": found.manifest.get("manifest_sha256"),
-            "role": role.value,
-            "formats": list(formats),
-            "model_adapter": plan.model.adapter,
-            "dmd2_config": config,
-            "files": files,
-        }
+        _write_formats(staging, loaded, formats, role, layout, component, pipeline, config, log)
+        info = _provenance(staging, found, plan, role, formats, config)
         (staging / EXPORT_INFO).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
         os.replace(staging, target)
     except BaseException:
@@ -418,3 +381,40 @@ def export_checkpoint(
         raise
     log(f"export: {target} ({', '.join(formats)}; {time.monotonic() - started:.1f} s)")
     return target
+
+
+def _provenance(staging: Path, found: Checkpoint, plan, role: Role, formats, config) -> dict[str, Any]:
+    """export.json: where the export came from, how to sample it, and the SHA-256 of every file written."""
+    return {
+        "checkpoint": str(found.path),
+        "global_step": found.global_step,
+        "plan_fingerprint": found.manifest["plan_fingerprint"],
+        "manifest_sha256": found.manifest.get("manifest_sha256"),
+        "role": role.value,
+        "formats": list(formats),
+        "model_adapter": plan.model.adapter,
+        "dmd2_config": config,
+        "files": {
+            str(p.relative_to(staging)): file_sha256(p) for p in sorted(staging.rglob("*")) if p.is_file()
+        },
+    }
+
+
+def _write_formats(staging: Path, loaded: LoadedRole, formats, role: Role, layout: StorageLayout, component: str,
+                   pipeline, config, log: Callable[[str], None]) -> None:  # fmt: skip
+    """Every asked-for format of the loaded role into `staging`: the adapter first, then the merged model."""
+    model, adapter_name = loaded.model, loaded.selection.adapter
+    if "peft" in formats:
+        base, note = layout.student_base()
+        if note:
+            log(f"export: note: {note}")
+        _write_peft(model, adapter_name, component, base, staging / PEFT_DIR)
+        log(f"export: wrote the PEFT adapter ({loaded.tensor_count} tensors)")
+    if "diffusers" in formats or "pipeline" in formats:
+        _merge(model, loaded.base_keys, adapter_name, formats, role)
+        if "diffusers" in formats:
+            model.save_pretrained(str(staging / DIFFUSERS_DIR), safe_serialization=True)
+            log("export: wrote the merged diffusers model")
+        if pipeline is not None:
+            _write_pipeline(model, pipeline, component, config, staging / PIPELINE_DIR)
+            log(f"export: wrote the pipeline from {pipeline[0]} with the student as {component}")

@@ -69,6 +69,10 @@ class StorageLayout:
         """Whether `model.teacher.cpu_offload` applies to this model (it holds frozen teacher weights)."""
         raise NotImplementedError
 
+    def student_base(self) -> tuple[str | None, str | None]:
+        """The model directory the student's LoRA adapter applies to, and a note when there is none."""
+        return self.plan.model.teacher.path, None
+
     # ---- roles
     def model_name(self, role: Role) -> str:
         """The name of the model that holds `role`'s weights."""
@@ -192,6 +196,17 @@ class IndependentLayout(StorageLayout):
 
     def cpu_offloaded(self, model_name: str) -> bool:
         return model_name == TEACHER
+
+    def student_base(self) -> tuple[str | None, str | None]:
+        student = self.plan.model.student
+        if student.path:
+            return student.path, None
+        if student.config is not None:  # a config-built base: no directory to name
+            return None, (
+                "the student's base was built from model.student.config, not the teacher; load the adapter onto "
+                "that model"
+            )
+        return self.plan.model.teacher.path, None
 
     def model_name(self, role: Role) -> str:
         return Role.STUDENT.value if role is Role.STUDENT_EMA else Role(role).value

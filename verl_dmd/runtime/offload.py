@@ -18,14 +18,14 @@ state tensor's storage behind the offloader's back (`p.data = ...`) between
 sleeps is not supported: the offloader would move the old storage.
 
 - On CUDA the host buffer is pinned, allocated once at the first sleep (pinned
-  allocation runs at about 2 GB/s, far slower than the copies) and reused; the
+  allocation is far slower than the copies) and reused; the
   copies are non-blocking on one stream and synchronised once. After sleep the
   caching allocator's free blocks are released (`torch.cuda.empty_cache`), so the
   memory is available to other processes. With `pack=True` (the default) wake
   allocates the storages inside a private memory pool, cut from segments of
   64 MB reserved run by run: the driver then frees a few hundred large segments
-  at the next sleep instead of the allocator's many (each free costs ~40 us and
-  waits for the device; see `StateOffloader._packed_wake`). Small storages move
+  at the next sleep instead of the allocator's many (each free waits for the
+  device; see `StateOffloader._packed_wake`). Small storages move
   as one staged block (see `StateOffloader._small_to_host`).
 - On CPU the same steps run with an ordinary host buffer: memory is released and
   restored the same way (the identity tests run this path); it saves nothing but
@@ -215,8 +215,8 @@ class StateOffloader:
         `chunk_bytes`; returns how many storages moved (`last_coalesce` also counts those left).
 
         Thousands of small tensors (LoRA factors, their AdamW state) sit in the caching allocator's 2 MB
-        small-block segments, hundreds of them, and returning a segment to the driver costs ~40 us however
-        small it is (on an H200, 23-30 ms of a 0.2 s sleep of the shared-LoRA state). Here every tensor
+        small-block segments, hundreds of them, and returning a segment to the driver costs the same however
+        small it is (a tenth of a shared-LoRA sleep on an H200: docs/benchmarks.md). Here every tensor
         object that uses such a storage is pointed (`set_`) at its bytes inside a shared buffer: same
         object, shape, strides, dtype and values; tensors that shared a storage still share their bytes.
         A storage moves only when every holder of it is known: the state's tensors and FSDP2's views of
@@ -432,18 +432,15 @@ class StateOffloader:
     def _packed_wake(self, large, restore) -> None:
         """Allocate the storages of a wake in few device segments (`pack=True`).
 
-        Returning memory to the driver costs one `cudaFree` per segment of the caching allocator (about
-        40 us each on an H200, and each one waits for the device), not per byte: 15 GB in one segment
-        frees in 5-9 ms, in 1,280 segments of 12 MB in 53-61 ms (scripts/bench_release.py). The storages
+        Returning memory to the driver costs one `cudaFree` per segment of the caching allocator (each
+        one waits for the device), not per byte (scripts/bench_release.py; docs/benchmarks.md). The storages
         of a sharded model are thousands of separate allocations, so left alone they occupy hundreds of
         segments. Here consecutive storages above the small-block size are cut from one segment of about
         `chunk_bytes`, reserved first (the allocator splits a free block to serve a smaller request),
         inside a private memory pool so that no other tensor lands in those segments and keeps them from
-        being freed. The size of a run trades the two directions (H200, 13.9 GiB, docs/benchmarks.md):
-        fewer, larger segments free faster at sleep, but a large `cudaMalloc` at wake does not overlap
-        the copies queued before it (wake at 90-91% of the raw copy with runs of 128 MB to 1 GB, 88% with
-        one 14 GB segment, 94% with 64 MB runs; the allocator's own ~32 MB segments overlap fully but
-        free slowly: sleep 86-89%).
+        being freed. The size of a run trades the two directions (measured in docs/benchmarks.md): fewer,
+        larger segments free faster at sleep, but a large `cudaMalloc` at wake does not overlap the copies
+        queued before it; the allocator's own small segments overlap fully but free slowly.
         The pool holds its segments until it is destroyed (`torch.cuda.empty_cache` skips a pool that is
         still referenced), so a releasing sleep drops it, and a wake makes a new one when the runs changed
         (AdamW creates its state at the first step).

@@ -331,28 +331,8 @@ class DistillationRayTrainer:
     def _fit(self) -> int:
         from verl.utils.tracking import Tracking
 
-        plan = self.plan
-        total = plan.trainer.total_steps
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        started = time.perf_counter()
-        self.log(
-            f"verl-dmd: {plan.model.adapter} / {plan.data.name}, {plan.resources.world_size} worker(s) "
-            f"({self.backend}), {total} student steps, outputs in {self.output_dir}"
-        )
-        self.group = self._start_group()
-        info = self.group.init_model()[0]
-        self.log(f"workers ready on {info.device} in {time.perf_counter() - started:.1f} s")
-        try:
-            provider = build_data_provider(plan, self.group, info, self.log)
-        except ValueError as err:  # user input the provider reads (data files, pairs): one line
-            raise TrainerError(str(err).splitlines()[0]) from None
-        controller = DistillationController(
-            fake_update_ratio=plan.algorithm.fake_update_ratio,
-            fake_warmup_steps=plan.algorithm.fake_warmup_steps,
-            max_consecutive_skips=plan.trainer.max_consecutive_skips,
-        )
-        checkpoints = Checkpoints(plan, self.group, self.log)
-        checkpoints.resume(controller, provider)
+        plan, started = self.plan, time.perf_counter()
+        info, provider, controller, checkpoints = self._set_up(started)
         tracking = Tracking(
             project_name=plan.trainer.project_name,
             experiment_name=plan.trainer.experiment_name,
@@ -360,31 +340,15 @@ class DistillationRayTrainer:
             config=plan.to_dict(),
         )
         validation = Validation(plan, self.group, info, tracking, self.output_dir, self.log)
-        progress = _Progress(total, controller.global_step, plan.trainer.progress_bar, self.log)
+        progress = _Progress(
+            plan.trainer.total_steps, controller.global_step, plan.trainer.progress_bar, self.log
+        )
         code = 1  # until the run ends normally or by a signal
         try:
-            fake_metrics: dict[str, Any] = {}
-            while not controller.is_done(total):
-                role = controller.next_phase()
-                metrics = self._run_phase(controller, role, provider)
-                if role is Role.FAKE_SCORE:
-                    fake_metrics = metrics
-                elif metrics["stepped"]:
-                    global_step = controller.global_step
-                    progress.update(global_step, role.value, {**fake_metrics, **metrics})
-                    if global_step % plan.trainer.log_every == 0 or global_step == total:
-                        tracking.log(data=_loggable({**fake_metrics, **metrics}), step=global_step)
-                    if checkpoints.due(global_step):
-                        checkpoints.save(controller, provider)
-                    if validation.due(global_step):
-                        validation.run(global_step, final=False)
-                if self._stop_signal is not None:
-                    checkpoints.save(controller, provider)
-                    self.log(f"stopped by {signal.Signals(self._stop_signal).name} at global step "
-                             f"{controller.global_step}; relaunch the same command to resume")  # fmt: skip
-                    code = EXIT_SIGNALLED + self._stop_signal
-                    self._clean_exit = True
-                    return code
+            signalled = self._train(controller, provider, checkpoints, validation, tracking, progress)
+            if signalled is not None:
+                code = signalled
+                return code
             progress.close()
             trained = time.perf_counter() - started
             path = checkpoints.save(controller, provider)
@@ -402,6 +366,56 @@ class DistillationRayTrainer:
         finally:
             progress.close()
             tracking.finish(exit_code=code)
+
+    def _set_up(self, started: float):
+        """The workers, the data provider, the controller and the checkpoints, resumed if there is one."""
+        plan = self.plan
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.log(
+            f"verl-dmd: {plan.model.adapter} / {plan.data.name}, {plan.resources.world_size} worker(s) "
+            f"({self.backend}), {plan.trainer.total_steps} student steps, outputs in {self.output_dir}"
+        )
+        self.group = self._start_group()
+        info = self.group.init_model()[0]
+        self.log(f"workers ready on {info.device} in {time.perf_counter() - started:.1f} s")
+        try:
+            provider = build_data_provider(plan, self.group, info, self.log)
+        except ValueError as err:  # user input the provider reads (data files, pairs): one line
+            raise TrainerError(str(err).splitlines()[0]) from None
+        controller = DistillationController(
+            fake_update_ratio=plan.algorithm.fake_update_ratio,
+            fake_warmup_steps=plan.algorithm.fake_warmup_steps,
+            max_consecutive_skips=plan.trainer.max_consecutive_skips,
+        )
+        checkpoints = Checkpoints(plan, self.group, self.log)
+        checkpoints.resume(controller, provider)
+        return info, provider, controller, checkpoints
+
+    def _train(self, controller, provider, checkpoints, validation, tracking, progress) -> int | None:
+        """Phases until trainer.total_steps; the exit code when a signal stopped it (after its checkpoint)."""
+        plan, total = self.plan, self.plan.trainer.total_steps
+        fake_metrics: dict[str, Any] = {}
+        while not controller.is_done(total):
+            role = controller.next_phase()
+            metrics = self._run_phase(controller, role, provider)
+            if role is Role.FAKE_SCORE:
+                fake_metrics = metrics
+            elif metrics["stepped"]:
+                global_step = controller.global_step
+                progress.update(global_step, role.value, {**fake_metrics, **metrics})
+                if global_step % plan.trainer.log_every == 0 or global_step == total:
+                    tracking.log(data=_loggable({**fake_metrics, **metrics}), step=global_step)
+                if checkpoints.due(global_step):
+                    checkpoints.save(controller, provider)
+                if validation.due(global_step):
+                    validation.run(global_step, final=False)
+            if self._stop_signal is not None:
+                checkpoints.save(controller, provider)
+                self.log(f"stopped by {signal.Signals(self._stop_signal).name} at global step "
+                         f"{controller.global_step}; relaunch the same command to resume")  # fmt: skip
+                self._clean_exit = True
+                return EXIT_SIGNALLED + self._stop_signal
+        return None
 
     def _run_phase(self, controller, role: Role, provider) -> dict[str, Any]:
         """One phase of `role` on every rank with the provider's next global batch; recorded in the controller."""
