@@ -7,7 +7,9 @@ calls each:
 
 - `verify_layout`: the kept-tree check of every phase, and the full walk;
 - the fake-score role's AdamW step, on the DTensors (`optimizer.step()`) and on
-  their local shards (`LocalShardStep`, the default).
+  their local shards (`LocalShardStep`, the default), and for comparison an AdamW
+  of the same parameters with `foreach=False` (the single-tensor path, which the
+  engine does not use) on the DTensors.
 
     python scripts/bench_host.py --layers 24 --hidden 64
 """
@@ -75,12 +77,16 @@ def main(argv=None) -> int:
         engine.local_optimizer_step = local
         engine.optimizer_step(role)
 
+    single = torch.optim.AdamW(params, lr=1e-4, foreach=False)
+    single.step()  # its state, made at the first step
+
     engine.verify_layout()  # the full walk that keeps the tree
     rows = {
         "verify_layout, kept tree (every phase)": median_ms(engine.verify_layout, args.repeats),
         "verify_layout, full walk": median_ms(engine.guard.walk, args.repeats),
         "AdamW step on the DTensors": median_ms(lambda: step(False), args.repeats),
         "AdamW step on the local shards": median_ms(lambda: step(True), args.repeats),
+        "AdamW step on the DTensors, foreach=False": median_ms(single.step, args.repeats),
     }
     modules = sum(1 for model in engine.models.values() for _ in model.modules())
     print(f"SD3 shape, {args.layers} layers x {args.hidden}, {modules} modules, {len(params)} LoRA tensors per role, "
@@ -89,7 +95,7 @@ def main(argv=None) -> int:
     print("|---|---|")
     for name, ms in rows.items():
         print(f"| {name} | {ms:.2f} |")
-    engine = params = None  # the model's reference cycles hold the group: collected before it goes
+    engine = params = single = None  # the model's reference cycles hold the group: collected before it goes
     gc.collect()
     dist.destroy_process_group()
     return 0

@@ -15,8 +15,8 @@ def build_adamw(params: Sequence[torch.nn.Parameter], spec: OptimSpec) -> torch.
     """AdamW over an explicit parameter list (never `model.parameters()`: see TRAPS, per-role optimizers)."""
     if not params:
         raise ValueError("an optimizer needs at least one parameter; the role has none to train")
-    # foreach=True: the single-tensor path dispatches every DTensor op separately, several times slower
-    # per step for the digits model on CPU (docs/benchmarks.md); the updated weights are bitwise equal.
+    # foreach=True: the single-tensor path dispatches every DTensor op separately, several times more host
+    # time per step (scripts/bench_host.py, docs/benchmarks.md); the updated weights are bitwise equal.
     # tests/test_runtime_equivalence.py checks against an unsharded single-tensor reference.
     return torch.optim.AdamW(
         list(params),
