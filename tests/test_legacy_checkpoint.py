@@ -29,7 +29,9 @@ def test_a_checkpoint_of_the_previous_main_resumes_bit_for_bit(tmp_path, layout)
     source = FIXTURE / layout
     overrides = source.joinpath("overrides.txt").read_text().split()
     out = tmp_path / "run"
-    tiny = f"model.teacher.config={json.dumps(json.loads(FIXTURE.joinpath('teacher_config.json').read_text()))}"
+    tiny = (
+        f"model.teacher.config={json.dumps(json.loads(FIXTURE.joinpath('teacher_config.json').read_text()))}"
+    )
     plan = compose_plan("digits_dmd2", [*overrides, tiny, f"trainer.output_dir={out}"])
     shutil.copytree(source / "global_step_1", out / "checkpoints" / "global_step_1")
     lines = []

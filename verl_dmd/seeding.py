@@ -12,7 +12,9 @@ Layer 1: the standard library and torch only.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+from collections.abc import Iterator
 
 import torch
 
@@ -30,7 +32,21 @@ def generator(*parts: object) -> torch.Generator:
     return torch.Generator().manual_seed(stream_seed(*parts))
 
 
-def seed_global_torch(*parts: object) -> None:
-    """Seed torch's global RNG for the stream named by `parts`; model construction draws from it
-    (random init of configs, LoRA factors), so every rank seeds it alike before building."""
-    torch.manual_seed(stream_seed(*parts))
+def seed_models(seed: int) -> None:
+    """Seed torch's global RNG, which model construction draws from (random init of a config-built model,
+    LoRA factors), alike on every rank and in export.
+
+    The one stream seeded with the run seed itself rather than a hash: the frozen base of a config-built
+    model is not in a checkpoint but rebuilt from this seed, so its value is part of every checkpoint
+    written so far (every other stream is hashed, so none coincides with it).
+    """
+    torch.manual_seed(seed)
+
+
+@contextlib.contextmanager
+def global_torch_seeded(*parts: object) -> Iterator[None]:
+    """Run a block with torch's global RNG seeded for the stream `parts`, and put the caller's RNG state
+    back afterwards (module init draws from the global RNG; nothing outside the block sees it)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(stream_seed(*parts))
+        yield

@@ -40,7 +40,7 @@ from verl_dmd.algorithms.registry import register_method
 from verl_dmd.algorithms.sampling import draw_normal, student_sample, to_like, trained_schedule
 from verl_dmd.batch import prefixed
 from verl_dmd.phases import ExtraModule, PhaseOutput, PhaseRequest, PhaseRuntime, Role
-from verl_dmd.seeding import stream_seed
+from verl_dmd.seeding import generator, stream_seed
 
 COND, UNCOND, REGRESSION, REAL = "cond.", "uncond.", "regression.", "real."
 
@@ -95,8 +95,8 @@ class DMD2Computer:
         self.algorithm = algorithm
         self.seed = seed
         self.rank = rank
-        self.local = torch.Generator().manual_seed(seed * 1_000_003 + 1 + rank)
-        self.shared = torch.Generator().manual_seed(seed * 1_000_003)
+        self.local = generator(seed, "dmd2.local", rank)
+        self.shared = generator(seed, "dmd2.shared")
         self.schedule = trained_schedule(algorithm, top)
         # the teacher's CFG scale in the standard form: 1 means no guidance (no unconditional forward)
         self.guidance = losses.standard_guidance_scale(algorithm.teacher_guidance_scale, algorithm.cfg_form)

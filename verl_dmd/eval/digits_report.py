@@ -16,6 +16,7 @@ import torch
 from verl_dmd.data.digits import IMAGE_SHAPE, NUM_CLASSES, DigitsSplit
 from verl_dmd.eval.digits_classifier import DigitsClassifier, digits_quality
 from verl_dmd.eval.images import save_grid, save_samples
+from verl_dmd.seeding import generator
 
 TEACHER_STEPS = (1, 2, 4, 8, 32)
 
@@ -47,12 +48,12 @@ class DigitsEvaluation:
             raise ValueError(f"num_samples = {self.num_samples}: need at least one sample per class (10)")
         self.labels = torch.arange(self.num_samples) % NUM_CLASSES
         self.noise = torch.randn(
-            self.num_samples, *IMAGE_SHAPE, generator=torch.Generator().manual_seed(self.seed)
+            self.num_samples, *IMAGE_SHAPE, generator=generator(self.seed, "digits.eval.noise")
         )
 
     def renoise_generator(self) -> torch.Generator:
         """Fresh noise for few-step samplers, the same stream for every row."""
-        return torch.Generator().manual_seed(self.seed + 1)
+        return generator(self.seed, "digits.eval.renoise")
 
     def row(self, model: str, sampler: str, steps: int, images: torch.Tensor) -> QualityRow:
         """Score `images` (sampled for `self.labels` from `self.noise`) and, with `out_dir`, save them."""

@@ -22,9 +22,9 @@ from __future__ import annotations
 import copy
 from typing import ClassVar
 
-import torch
 from torch import nn
 
+from verl_dmd import seeding
 from verl_dmd.adapters.base import ModelSource
 from verl_dmd.phases import TRAINABLE_ROLES, Role
 from verl_dmd.plan import DistillationPlan, LoraSpec
@@ -47,7 +47,7 @@ class StorageLayout:
     def seed(self) -> None:
         """Seed torch's global RNG, which building draws from (random init of configs, LoRA factors), alike on
         every rank and in export (which rebuilds a config-built base the same way)."""
-        torch.manual_seed(self.plan.trainer.seed)
+        seeding.seed_models(self.plan.trainer.seed)
 
     def build_models(self) -> dict[str, nn.Module]:
         """Every model of the layout by name, unsharded, trainable flags set (after `seed`)."""

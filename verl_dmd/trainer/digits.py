@@ -23,7 +23,7 @@ import safetensors
 import safetensors.torch
 import torch
 
-from verl_dmd import losses
+from verl_dmd import losses, seeding
 from verl_dmd.data.digits import IMAGE_SHAPE, DigitsConditionStream, check_pairs, load_digits_splits
 from verl_dmd.trainer.registry import ValidationReport, register_data_provider, register_validator
 
@@ -87,8 +87,9 @@ def regression_pairs(plan, group, labels: torch.Tensor, null_class: int, log: Ca
         return pairs
     started = time.perf_counter()
     labels = labels.to(torch.int64)
-    generator = torch.Generator().manual_seed(plan.trainer.seed + 7919)
-    noise = torch.randn(labels.shape[0], *IMAGE_SHAPE, generator=generator)
+    noise = torch.randn(
+        labels.shape[0], *IMAGE_SHAPE, generator=seeding.generator(plan.trainer.seed, "digits.pairs")
+    )
     guidance = teacher_guidance(plan)
     uncond = {"class_labels": torch.full_like(labels, null_class)} if guidance != 1.0 else None
     target = group.euler(
