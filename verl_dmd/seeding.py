@@ -36,17 +36,24 @@ def seed_models(seed: int) -> None:
     """Seed torch's global RNG, which model construction draws from (random init of a config-built model,
     LoRA factors), alike on every rank and in export.
 
-    The one stream seeded with the run seed itself rather than a hash: the frozen base of a config-built
-    model is not in a checkpoint but rebuilt from this seed, so its value is part of every checkpoint
-    written so far (every other stream is hashed, so none coincides with it).
+    Seeded with the run seed itself, not a hash: the frozen base of a config-built model is not in a
+    checkpoint but rebuilt from this seed, so its value is part of every checkpoint written so far.
     """
     torch.manual_seed(seed)
 
 
+def fixed_generator(seed: int) -> torch.Generator:
+    """A CPU generator seeded with the plain constant `seed`: only for the draws of a measuring instrument
+    whose recorded results rest on them (the digits evaluation's noise and its classifier: every digits
+    table in docs/benchmarks.md was measured with exactly these). Training streams use `generator`."""
+    return torch.Generator().manual_seed(seed)
+
+
 @contextlib.contextmanager
-def global_torch_seeded(*parts: object) -> Iterator[None]:
-    """Run a block with torch's global RNG seeded for the stream `parts`, and put the caller's RNG state
-    back afterwards (module init draws from the global RNG; nothing outside the block sees it)."""
+def fixed_global_torch(seed: int) -> Iterator[None]:
+    """Run a block with torch's global RNG seeded with the constant `seed` (module init and dropout draw
+    from it) and give the caller's RNG state back afterwards: nothing outside the block sees the draws.
+    For measuring instruments, as `fixed_generator`."""
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(stream_seed(*parts))
+        torch.manual_seed(seed)
         yield

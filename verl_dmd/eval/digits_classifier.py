@@ -7,7 +7,7 @@ from torch import nn
 
 from verl_dmd.data.digits import NUM_CLASSES, DigitsSplit, to_pixel_range
 from verl_dmd.eval.fid import feature_statistics, frechet_distance
-from verl_dmd.seeding import generator, global_torch_seeded
+from verl_dmd.seeding import fixed_generator, fixed_global_torch
 
 FEATURE_DIM = 64
 
@@ -43,20 +43,21 @@ class DigitsClassifier(nn.Module):
 def train_digits_classifier(train: DigitsSplit, *, seed: int = 0, epochs: int = 30, batch_size: int = 64):
     """Deterministic training on the training split (seconds on a CPU); returns the model in eval mode.
 
-    Its init draws from torch's global RNG inside `seeding.global_torch_seeded`: the caller's RNG is
-    left as it was."""
-    order_stream = generator(seed, "digits.classifier.order")
-    with global_torch_seeded(seed, "digits.classifier.init"):
+    The classifier is the instrument behind every digits-FID: its draws are the fixed ones of `seed`
+    (`seeding.fixed_generator`), and its init and training run on a forked global RNG, so the caller's
+    random state is left as it was."""
+    order_stream = fixed_generator(seed)
+    with fixed_global_torch(seed):
         model = DigitsClassifier()
-    optimizer = torch.optim.Adam(model.parameters(), lr=2e-3)
-    for _ in range(epochs):
-        order = torch.randperm(len(train), generator=order_stream)
-        for start in range(0, len(train), batch_size):
-            idx = order[start : start + batch_size]
-            loss = nn.functional.cross_entropy(model(train.images[idx]), train.labels[idx])
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
+        optimizer = torch.optim.Adam(model.parameters(), lr=2e-3)
+        for _ in range(epochs):
+            order = torch.randperm(len(train), generator=order_stream)
+            for start in range(0, len(train), batch_size):
+                idx = order[start : start + batch_size]
+                loss = nn.functional.cross_entropy(model(train.images[idx]), train.labels[idx])
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
     return model.eval()
 
 
