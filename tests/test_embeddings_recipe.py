@@ -93,3 +93,24 @@ def test_sd3_recipe_trains_and_exports_a_peft_adapter_on_cpu(tmp_path):
     exported = out / "export" / "global_step_2" / "student_ema"
     assert (exported / "peft" / "adapter_config.json").is_file()
     assert (exported / "diffusers" / "config.json").is_file()
+
+
+@pytest.mark.slow
+def test_the_digits_validator_refuses_a_family_without_classes(tmp_path, capsys):
+    """validation.name=digits with a text-conditioned family is one line before any phase runs."""
+    from verl_dmd.trainer.ray_trainer import DistillationRayTrainer
+
+    adapter = get_adapter("sd3")()
+    torch.manual_seed(0)
+    adapter.model_class.from_config(adapter.tiny_config).save_pretrained(tmp_path / "teacher")
+    data = write_embeddings(tmp_path / "emb.safetensors")
+    plan = compose_plan("sd3_lora_dmd2", [
+        f"model.teacher.path={tmp_path / 'teacher'}", "model.teacher.subfolder=null", f"data.path={data}",
+        "model.param_dtype=float32", "resources.device=cpu", "validation.name=digits",
+        "validation.num_samples=10", f"trainer.output_dir={tmp_path / 'out'}",
+    ])  # fmt: skip
+    lines = []
+    assert DistillationRayTrainer(plan, backend="local", log=lines.append).fit() == 2
+    (error,) = capsys.readouterr().err.strip().splitlines()
+    assert "'validation.name' = 'digits': the digits table samples class-conditional models" in error
+    assert not any(line.startswith("step ") for line in lines)

@@ -280,3 +280,28 @@ def test_a_failing_write_leaves_no_partial_export(full_run, tmp_path, monkeypatc
             plan, trained["path"], output_dir=tmp_path / "out" / "student_ema", log=lambda _: None
         )
     assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_an_existing_export_is_reused_only_for_the_same_checkpoint_and_formats(tmp_path):
+    """The end-of-run export keeps a directory holding this checkpoint's export in the formats asked for,
+    and replaces one of another checkpoint or with other formats (naming which)."""
+    from types import SimpleNamespace
+
+    from verl_dmd.checkpoint.export import _existing_export
+
+    found = SimpleNamespace(manifest={"manifest_sha256": "a" * 64})
+    cases = [
+        ({"manifest_sha256": "a" * 64, "formats": ["diffusers"]}, ("diffusers",), True, "already"),
+        ({"manifest_sha256": "a" * 64, "formats": ["diffusers"]}, ("peft", "diffusers"), False, "other formats"),
+        ({"manifest_sha256": "b" * 64, "formats": ["diffusers"], "checkpoint": "x"}, ("diffusers",), False, "another run"),
+    ]  # fmt: skip
+    for info, formats, kept, said in cases:
+        target = tmp_path / "target"
+        target.mkdir(exist_ok=True)
+        (target / EXPORT_INFO).write_text(json.dumps(info))
+        lines = []
+        assert _existing_export(target, found, formats, "reuse", lines.append) is kept
+        assert target.exists() is kept and said in lines[0]
+    target.mkdir()
+    with pytest.raises(ExportError, match="already exists"):
+        _existing_export(target, found, ("diffusers",), "fail", lines.append)

@@ -101,14 +101,69 @@ def find_cycle(edges: dict[str, dict[str, int]]) -> list[str] | None:
 
 
 def test_the_package_has_no_import_cycle():
+    """Every edge counts, a package's __init__ importing its own submodules included (a submodule that
+    imported its package back would be a cycle: the package is half initialised then)."""
     edges = graph()
-    # A package's __init__ re-exporting its submodules is not a cycle with them (Python imports the
-    # package first by construction); every other edge counts.
-    edges = {
-        name: {t: line for t, line in targets.items() if not t.startswith(name + ".")}
-        for name, targets in edges.items()
-    }
     assert find_cycle(edges) is None, " -> ".join(find_cycle(edges) or [])
+
+
+# Rules inside and across layers that a layer number cannot say. A module matching the first pattern may
+# not import one matching the second, unless the target is listed as allowed.
+FORBIDDEN = [
+    # methods are reached through their registry: no runtime, checkpoint, worker or driver module names one
+    ("verl_dmd", "verl_dmd.algorithms", ("verl_dmd.algorithms", "verl_dmd.algorithms.registry",
+                                         "verl_dmd.algorithms.sampling")),
+    # the two axes are independent: a method gets its adapter as an object, an adapter finds its method by
+    # name (the registry is its only way in)
+    ("verl_dmd.algorithms", "verl_dmd.adapters", ()),
+    ("verl_dmd.adapters", "verl_dmd.algorithms", ("verl_dmd.algorithms.registry",)),
+]  # fmt: skip
+
+
+def _matches(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def test_no_module_crosses_a_forbidden_edge():
+    wrong = []
+    for name, targets in graph().items():
+        for source, target_prefix, allowed in FORBIDDEN:
+            if not _matches(name, source) or (
+                target_prefix == "verl_dmd.algorithms" and _matches(name, target_prefix)
+            ):
+                continue
+            for target, line in targets.items():
+                if _matches(target, target_prefix) and target not in allowed:
+                    wrong.append(f"{name} imports {target} at line {line}")
+    assert not wrong, "\n".join(wrong)
+
+
+EXTERNAL = {"ray": 6, "verl": 6, "torch.distributed": 4}
+"""The lowest layer allowed to import each outside package (the workers and above talk to ray and verl; the
+runtime and above to torch.distributed)."""
+
+
+def external_imports(path: Path) -> dict[str, int]:
+    found: dict[str, int] = {}
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+        if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        for name in names:
+            for package in EXTERNAL:
+                if _matches(name, package):
+                    found.setdefault(package, node.lineno)
+    return found
+
+
+def test_low_layers_import_no_distribution_ray_or_verl():
+    wrong = [
+        f"{module_name(path)} (layer {layer_of(module_name(path))}) imports {package} at line {line}"
+        for path in PACKAGE.rglob("*.py")
+        for package, line in external_imports(path).items()
+        if layer_of(module_name(path)) < EXTERNAL[package]
+    ]
+    assert not wrong, "\n".join(wrong)
 
 
 @pytest.mark.parametrize(

@@ -186,7 +186,7 @@ def _run(tmp_path, adapter: str, weighting: str) -> dict:
         f"trainer.output_dir={out}",
         "trainer.total_steps=3", "algorithm.fake_update_ratio=1", "algorithm.fake_warmup_steps=1",
         "algorithm.student_steps=2", f"algorithm.fake_score_weighting={weighting}",
-        "algorithm.fake_sigma_min=0.02", "algorithm.gan_discriminator_weight=0.01",
+        "algorithm.fake_sigma_min=0.02", f"algorithm.sigma_max={TOP}", "algorithm.gan_discriminator_weight=0.01",
         "algorithm.gan_generator_weight=0.001", "algorithm.teacher_guidance_scale=1.5",
         "batch.student.micro_batch_size=8", "batch.fake_score.micro_batch_size=8",
         "resources.workers_per_node=1", "trainer.progress_bar=false", "validation.num_samples=10",

@@ -126,7 +126,7 @@ def test_trap_lazy_init_fixes_gradient_dtypes(results):
 
 
 def test_trap_frozen_forward_between_student_forward_and_backward(results):
-    """Guard: a role switch never freezes the trainable role (RoleEngine._switch_adapter touches no
+    """Guard: a role switch never freezes the trainable role (SharedBaseLayout.switch_adapter touches no
     flag; _activate re-asserts the trainable set). Switching through PEFT's API without the
     re-assertion, the teacher/fake-score forwards inside a student phase freeze the student's
     LoRA before backward: zero gradient, no update, and the phase still reports success."""
@@ -144,7 +144,7 @@ def test_trap_leaving_disabled_adapters_restores_trainable_set(results):
 
 
 def test_trap_switching_adapters_flips_no_flags(results):
-    """Guard: RoleEngine._switch_adapter sets PEFT's active adapter without PEFT's requires_grad side
+    """Guard: SharedBaseLayout.switch_adapter sets PEFT's active adapter without PEFT's requires_grad side
     effects, so gathered copies (kept across the switches inside a phase) keep their flags. With
     LoRA on a root-unit module (proj_out), switching through PEFT's set_adapter flips the flags of
     the gathered copies after the student's forward: that module's LoRA silently gets no gradient."""

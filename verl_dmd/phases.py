@@ -253,7 +253,8 @@ class LossNormalizerTracker:
 class ExtraModule:
     """A trainable module a phase computer needs besides the roles' models (DMD2's GAN head).
 
-    The role engine builds it with `build(model)` from the model that holds `owner`'s weights, before
+    The role engine builds it with `build(model)` from the model that holds `owner`'s weights (the fake
+    score: the one owner supported), before
     sharding (TRAPS: a module added later would never synchronise its gradients), attaches it there as
     submodule `name`, shards it as its own FSDP2 unit, and puts its parameters in `owner`'s optimizer.
     The computer reaches it through `PhaseRuntime.extra_module(name)`.
@@ -267,10 +268,11 @@ class ExtraModule:
         if not self.name.isidentifier():
             raise PhaseContractError(f"ExtraModule.name = {self.name!r}: must be a Python identifier")
         owner = Role(self.owner)
-        if not owner.trainable:
+        if owner is not Role.FAKE_SCORE:
+            # A student-owned module would need an EMA copy and an export path, which do not exist yet.
             raise PhaseContractError(
-                f"ExtraModule {self.name!r}: owner {owner.value!r} does not train; allowed: "
-                f"{[r.value for r in TRAINABLE_ROLES]}"
+                f"ExtraModule {self.name!r}: owner {owner.value!r}; allowed: fake_score (the role whose phases "
+                "train a discriminator-like module; student-owned modules are not supported)"
             )
         object.__setattr__(self, "owner", owner)
 

@@ -46,10 +46,10 @@ class DistributionMatchingModelAdapter:
     `default_lora_targets`, and implement `fsdp_units`, `predict` and
     `example_batch`; they may override `build_model`. `parameterization` says what
     `predict` returns (velocity, epsilon or x0 under the flow interpolation of
-    docs/dmd2.md); every conversion of a prediction (`to_x0`, `prediction_target`,
-    `ode_step`) goes through the methods below, so a family with another
-    parameterization (or another way of noising) overrides them here and every
-    method and sampler follows. The adapter is also where a run's phase computer is
+    docs/dmd2.md); every conversion of a prediction (`add_noise`, `to_x0`,
+    `prediction_target`, `fake_score_weight`, `ode_step`) goes through the methods
+    below, which follow `parameterization`; a family that reads its output another
+    way overrides them (all of them together) and every method and sampler follows. The adapter is also where a run's phase computer is
     made (`build_distribution_matching_computer`), from the method `algorithm.name`
     registers (`verl_dmd.algorithms`).
     """
@@ -124,6 +124,12 @@ class DistributionMatchingModelAdapter:
     def prediction_target(self, x0: torch.Tensor, eps: torch.Tensor, sigma) -> torch.Tensor:
         """What `predict` should return at ``add_noise(x0, eps, sigma)`` (the denoising loss's target)."""
         return losses.prediction_target(self.parameterization, x0, eps)
+
+    def fake_score_weight(self, weighting: str, sigma: torch.Tensor) -> torch.Tensor | None:
+        """Per-sample weights of the squared error of `predict` that make the fake-score loss `weighting`
+        (docs/dmd2.md; None: unweighted). An adapter that converts its prediction its own way overrides
+        this along with `to_x0`."""
+        return losses.fake_score_weight(weighting, self.parameterization, sigma)
 
     def ode_step(self, x_t: torch.Tensor, prediction: torch.Tensor, sigma, next_sigma) -> torch.Tensor:
         """One step of the probability-flow ODE from `sigma` to `next_sigma` (the teacher's sampler)."""

@@ -84,13 +84,8 @@ class DMD2Computer:
                 "config key 'algorithm.backward_simulation' = False: not supported by this version's DMD2 "
                 "computer (multi-step training on noised real data is not built); fix: leave it at true"
             )
+        self._check_levels(adapter, algorithm)
         top = float(adapter.sigma_max)
-        if algorithm.student_sigmas is not None and algorithm.student_sigmas[0] > top:
-            raise ValueError(
-                f"config key 'algorithm.student_sigmas' = {list(algorithm.student_sigmas)}: model adapter "
-                f"{adapter.name!r} ({adapter.parameterization} prediction) samples from noise levels up to "
-                f"{top}; fix: start the schedule at or below {top}, or leave it null"
-            )
         self.adapter = adapter
         self.algorithm = algorithm
         self.seed = seed
@@ -100,6 +95,36 @@ class DMD2Computer:
         self.schedule = trained_schedule(algorithm, top)
         # the teacher's CFG scale in the standard form: 1 means no guidance (no unconditional forward)
         self.guidance = losses.standard_guidance_scale(algorithm.teacher_guidance_scale, algorithm.cfg_form)
+
+    @staticmethod
+    def _check_levels(adapter, algorithm) -> None:
+        """Refuse noise levels the family cannot read x0 from, and a fake-score weighting that is infinite in
+        the fake score's range (each a one-line error naming the key)."""
+        top = float(adapter.sigma_max)
+        family = f"model adapter {adapter.name!r} ({adapter.parameterization} prediction)"
+        if algorithm.student_sigmas is not None and algorithm.student_sigmas[0] > top:
+            raise ValueError(
+                f"config key 'algorithm.student_sigmas' = {list(algorithm.student_sigmas)}: {family} samples "
+                f"from noise levels up to {top}; fix: start the schedule at or below {top}, or leave it null"
+            )
+        if algorithm.sigma_max > top:
+            raise ValueError(
+                f"config key 'algorithm.sigma_max' = {algorithm.sigma_max}: {family} reads x0 from noise levels "
+                f"up to {top}; fix: set algorithm.sigma_max <= {top}"
+            )
+        ends = torch.tensor([algorithm.fake_sigma_min, algorithm.fake_sigma_max], dtype=torch.float64)
+        weight = adapter.fake_score_weight(algorithm.fake_score_weighting, ends)
+        if weight is not None and not bool(torch.isfinite(weight).all()):
+            key, value = (
+                ("fake_sigma_min", algorithm.fake_sigma_min)
+                if not torch.isfinite(weight[0])
+                else ("fake_sigma_max", algorithm.fake_sigma_max)
+            )
+            raise ValueError(
+                f"config key 'algorithm.{key}' = {value}: the {algorithm.fake_score_weighting} weighting of "
+                f"{family} is infinite there; fix: move algorithm.{key} inside (0, 1), or "
+                "algorithm.fake_score_weighting=uniform"
+            )
 
     def extra_modules(self) -> tuple[ExtraModule, ...]:
         """The GAN head, when the discriminator term is on: a fake-score module on the fake score's model."""
@@ -231,7 +256,7 @@ class DMD2Computer:
         eps = draw_normal(x.shape, self.local, x)
         x_t = adapter.add_noise(x, eps, sigma)
         fake = runtime.module_for(Role.FAKE_SCORE)
-        weight = losses.fake_score_weight(alg.fake_score_weighting, adapter.parameterization, sigma)
+        weight = adapter.fake_score_weight(alg.fake_score_weighting, sigma)
         if alg.gan_discriminator_weight == 0:
             prediction = adapter.predict(fake, x_t, sigma, cond)
             loss = losses.fake_score_loss(prediction, adapter.prediction_target(x, eps, sigma), weight)

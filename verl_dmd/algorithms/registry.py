@@ -16,11 +16,21 @@ from verl_dmd.registry import Registry
 ENTRY_POINT_GROUP = "verl_dmd.algorithms"
 
 
+PROTOCOL = ("from_plan", "compute_phase", "extra_modules", "state_dict", "load_state_dict", "reseed")
+"""What a registered method class must define (`from_plan` builds it; the rest is `PhaseComputer`)."""
+
+
 def _check(name: str, entry: object) -> None:
-    if not (isinstance(entry, type) and callable(getattr(entry, "from_plan", None))):
+    missing = (
+        [m for m in PROTOCOL if not callable(getattr(entry, m, None))]
+        if isinstance(entry, type)
+        else ["a class"]
+    )
+    if missing:
         raise TypeError(
             f"@register_method({name!r}) needs a phase computer class with a classmethod "
-            "from_plan(adapter, model_config, plan, *, rank)"
+            f"from_plan(adapter, model_config, plan, *, rank) and the PhaseComputer methods; missing: "
+            f"{', '.join(missing)}"
         )
 
 

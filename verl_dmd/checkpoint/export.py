@@ -306,8 +306,11 @@ def _check_request(plan, role: Role, formats: tuple[str, ...]) -> None:
         raise ExportError("config key 'export.pipeline_source' = None: the pipeline format needs it")
 
 
-def _existing_export(target: Path, found: Checkpoint, if_exists: str, log: Callable[[str], None]) -> bool:
-    """True when `target` already holds this checkpoint's export (reuse); clears or refuses it otherwise."""
+def _existing_export(
+    target: Path, found: Checkpoint, formats, if_exists: str, log: Callable[[str], None]
+) -> bool:
+    """True when `target` already holds this checkpoint's export in these formats (reuse); clears or refuses
+    it otherwise."""
     if not target.exists():
         return False
     if if_exists == "fail":
@@ -319,10 +322,14 @@ def _existing_export(target: Path, found: Checkpoint, if_exists: str, log: Calla
         info = json.loads(info_file.read_text()) if info_file.is_file() else {}
     except (OSError, ValueError):
         info = {}
-    if info.get("manifest_sha256") == found.manifest.get("manifest_sha256"):
+    same_checkpoint = info.get("manifest_sha256") == found.manifest.get("manifest_sha256")
+    if same_checkpoint and info.get("formats") == list(formats):
         log(f"export: {target} holds this checkpoint's export already")
         return True
-    log(f"export: {target} holds another run's export (checkpoint {info.get('checkpoint')}); replacing it")
+    what = (
+        "other formats" if same_checkpoint else f"another run's export (checkpoint {info.get('checkpoint')})"
+    )
+    log(f"export: {target} holds {what} of this step; replacing it")
     shutil.rmtree(target)
     return False
 
@@ -349,18 +356,19 @@ def export_checkpoint(
     formats = tuple(formats or plan.export.formats)
     _check_request(plan, role, formats)
     started = time.monotonic()
-    found = CheckpointStore.verify(checkpoint, hashes=True)
-    check_plan(found, plan)
-    adapter = get_adapter(plan.model.adapter)()
-    component = getattr(adapter, "pipeline_component", "transformer")
-    pipeline = _pipeline_source(plan, component) if "pipeline" in formats else None
+    found = CheckpointStore.verify(checkpoint)  # sizes: enough to name it and to see whether it is exported
     target = (
         Path(output_dir)
         if output_dir is not None
         else export_root(plan) / f"global_step_{found.global_step}" / role.value
     )
-    if _existing_export(target, found, if_exists, log):
+    if _existing_export(target, found, formats, if_exists, log):
         return target
+    found = CheckpointStore.verify(checkpoint, hashes=True)  # every file checked before anything is read
+    check_plan(found, plan)
+    adapter = get_adapter(plan.model.adapter)()
+    component = getattr(adapter, "pipeline_component", "transformer")
+    pipeline = _pipeline_source(plan, component) if "pipeline" in formats else None
     log(f"export: reading role {role.value} from {found.path}")
     layout = layout_for(plan, adapter)
     loaded = load_role(layout, found, role)

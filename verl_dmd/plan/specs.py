@@ -720,7 +720,10 @@ class DistillationPlan:
                 "ema.enabled is false, so student_ema cannot be sampled",
                 "remove student_ema from validation.roles or set ema.enabled=true",
             )
-        if self.data.name == "digits" and self.validation.num_samples < 10:
+        digits_table = self.validation.name == "digits" or (
+            not self.validation.name and self.data.name == "digits"
+        )
+        if digits_table and self.validation.num_samples < 10:
             raise error(
                 "validation.num_samples",
                 self.validation.num_samples,

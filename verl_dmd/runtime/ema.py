@@ -16,14 +16,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from verl_dmd.plan import EmaSpec
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The rank-local shard of a DTensor (or the tensor itself)."""
-    return t.to_local() if isinstance(t, DTensor) else t
+from verl_dmd.runtime.sharding import local_tensor
 
 
 class StudentEma:

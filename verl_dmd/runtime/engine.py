@@ -35,10 +35,11 @@ from torch.distributed.fsdp import FSDPModule
 from verl_dmd.phases import TRAINABLE_ROLES, ExtraModule, Role
 from verl_dmd.plan import DistillationPlan
 from verl_dmd.runtime import naming, sharding
-from verl_dmd.runtime.ema import StudentEma, local_tensor
+from verl_dmd.runtime.ema import StudentEma
 from verl_dmd.runtime.guard import ShardingGuard
 from verl_dmd.runtime.layouts import layout_for
 from verl_dmd.runtime.optim import LocalShardStep, build_adamw, build_scheduler
+from verl_dmd.runtime.sharding import local_tensor
 
 __all__ = ["GradientIsolationError", "RoleEngine", "local_tensor"]
 

@@ -62,13 +62,23 @@ def add_adapter(model: nn.Module, config, name: str) -> None:
         inject_adapter_in_model(config, model, adapter_name=name)
 
 
+def rename_adapter(param_name: str, source: str, target: str) -> str:
+    """The name of the parameter of adapter `target` that corresponds to `param_name` of adapter `source`
+    (the segment after the LoRA container is the adapter's name, wherever it stands)."""
+    parts = param_name.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part in LORA_CONTAINERS and parts[i + 1] == source:
+            return ".".join([*parts[: i + 1], target, *parts[i + 2 :]])
+    raise ValueError(f"{param_name} is not a parameter of LoRA adapter {source!r}")
+
+
 def copy_adapter(model: nn.Module, source: str, target: str) -> None:
     """Copy adapter `source`'s weights into adapter `target` (same targets and shapes)."""
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name, param in params.items():
             if adapter_of(name) == source:
-                params[name.replace(f".{source}.", f".{target}.")].copy_(param)
+                params[rename_adapter(name, source, target)].copy_(param)
 
 
 def load_peft_adapter_dir(model: nn.Module, path: str, adapter_name: str, spec: LoraSpec, key: str) -> None:

@@ -52,9 +52,9 @@ class LocalShardStep:
     The update of a sharded parameter is elementwise, so it is the same on the local shard: the same
     foreach operations of the same `torch.optim.AdamW` code, on the local tensors of the parameters,
     gradients and moments (the DTensor path unwraps to exactly these; tests compare bit for bit). What
-    it saves is host time: each foreach operation on ~200 DTensors goes through DTensor's dispatch, about
-    half of the step's host time for the SD3 shape with LoRA, and the GPU idles during the step (it
-    runs after the gradient norm is read back).
+    it saves is host time: each foreach operation on DTensors goes through DTensor's dispatch, a large
+    share of the step's host time for LoRA roles (scripts/bench_host.py, docs/benchmarks.md), and the GPU
+    idles during the step (it runs after the gradient norm is read back).
 
     A shadow AdamW holds the local parameters; its state entries are the same tensor objects as the real
     optimizer's (the moments' local tensors and the very `step` counters), so the real optimizer, its

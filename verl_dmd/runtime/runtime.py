@@ -93,10 +93,6 @@ class DistillationRoleRuntime:
         self.plan = engine.plan
         self.view = ComputerView(self)
 
-    # The computer enters frozen roles through the runtime (DMD2.md, phase computer contract).
-    def use_role(self, role: Role | str):
-        return self.engine.use_role(role)
-
     @property
     def world_size(self) -> int:
         return dist.get_world_size(self.group) if dist.is_initialized() else 1

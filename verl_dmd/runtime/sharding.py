@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 from verl_dmd.plan import ModelSpec
 
@@ -24,6 +25,11 @@ COMPILE_CACHE_SIZE = 64
 """torch._dynamo's cache size limit while model.compile is on. One block's compiled forward needs a variant
 per guard combination: role (adapters on/off, which adapter), grad mode, train/eval, and the blocks that
 differ (e.g. SD3's last, context_pre_only); torch's default of 8 would make the rest run eagerly, silently."""
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The rank-local shard of a DTensor (or the tensor itself)."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def store_frozen_in_compute_dtype(

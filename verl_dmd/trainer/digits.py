@@ -154,6 +154,12 @@ class DigitsValidator:
 
     @classmethod
     def from_plan(cls, plan, group, info) -> DigitsValidator:
+        if info.null_class is None:
+            raise ValueError(
+                f"config key 'validation.name' = 'digits': the digits table samples class-conditional models, "
+                f"model adapter {plan.model.adapter!r} has no class conditioning; fix: model.adapter=dit, or "
+                "another validator"
+            )
         return cls(plan, group, info)
 
     def __init__(self, plan, group, info) -> None:

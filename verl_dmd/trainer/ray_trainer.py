@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from verl_dmd.batch import BatchError
 from verl_dmd.controller import DistillationController, TooManySkipsError
 from verl_dmd.phases import PhaseRequest, Role
 from verl_dmd.trainer.registry import DATA_PROVIDERS, VALIDATORS, validator_name
@@ -424,7 +425,10 @@ class DistillationRayTrainer:
         step = controller.student_steps if role is Role.STUDENT else controller.fake_steps
         request = PhaseRequest(role=role, global_step=controller.global_step, role_step=step,
                                phase_index=controller.phase_index)  # fmt: skip
-        metrics = self.group.run_phase(request, provider.next_batch(size))[0]
+        try:
+            metrics = self.group.run_phase(request, provider.next_batch(size))[0]
+        except BatchError as err:  # the provider's batch does not split over the ranks: user data
+            raise TrainerError(f"data provider {self.plan.data.name!r}: {err}") from None
         controller.record(role, stepped=metrics["stepped"])
         return metrics
 
