@@ -58,7 +58,10 @@ setup(
     extras_require=EXTRAS_REQUIRE,
     entry_points={
         "console_scripts": ["verl-dmd = verl_dmd.main:cli", "verl-dmd-export = verl_dmd.export_main:cli"],
-        # Third-party model adapters register here; see docs/architecture.md.
+        # Third-party extensions register in these groups; see docs/architecture.md ("Extending verl_dmd").
         "verl_dmd.adapters": [],
+        "verl_dmd.algorithms": [],
+        "verl_dmd.data_providers": [],
+        "verl_dmd.validators": [],
     },
 )

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from verl_dmd import seeding
 from verl_dmd.batch import prefixed
 from verl_dmd.phases import PhaseOutput, PhaseRequest, PhaseRuntime, Role
 
@@ -21,7 +22,7 @@ COND_PREFIX = "cond."
 
 def regression_batch(adapter, model: torch.nn.Module, batch_size: int, seed: int) -> dict[str, torch.Tensor]:
     """A deterministic batch for `ReferenceRegressionComputer`: x_t, sigma, target and cond.* tensors."""
-    generator = torch.Generator().manual_seed(seed)
+    generator = seeding.generator(seed, "reference.batch")
     x0, cond = adapter.example_batch(model, batch_size, generator)
     sigma = torch.rand(batch_size, generator=generator)
     noise = torch.randn(x0.shape, generator=generator)
