@@ -5,12 +5,20 @@ one `_call(method, ...)` that its two kinds implement:
 
 - `DiffusionDistillationWorkerGroup`: ray actors through verl's
   `RayResourcePool` / `RayWorkerGroup` (on CPU: ``use_gpu=False``,
-  ``max_colocate_count=1``, TRAPS.md). Each call waits on every rank's future
+  ``max_colocate_count=1``, TRAPS.md). The actors' start is waited for first,
+  with a deadline of its own. Each call waits on every rank's future
   with ``trainer.rpc_timeout_s``; the first rank that raises ends the call with
   `WorkerError` naming the rank and the original exception, a rank that dies is
   named too, and ranks that do not answer in time end it with `WorkerTimeout`.
-  After any of these the group kills its actors (a surviving rank may be stuck
-  in a collective with the failed one).
+  A timeout names the rank(s) that stopped answering first (their stack is not
+  inside torch.distributed) apart from those waiting for them in a collective,
+  with what each was doing (the operation; for a phase its index and role), and
+  writes every rank's status header and Python stack (dumped by the rank itself
+  shortly before the deadline, `verl_dmd.workers.status`) to
+  ``<output_dir>/hang-<time>.txt``, whose path the message gives; all within
+  the timeout plus `verl_dmd.workers.status.REPORT_WAIT_S`. After any of these
+  the group kills its actors (a surviving rank may be stuck in a collective with
+  the failed one).
 - `LocalWorkerGroup`: one rank in this process (a gloo group on an in-process
   store), the same interface without ray: tests, debugging, and single-GPU runs.
 """
@@ -19,12 +27,18 @@ from __future__ import annotations
 
 import contextlib
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from verl_dmd import batch as batches
+from verl_dmd.workers import status
 from verl_dmd.workers.operations import OPERATIONS, rank_arguments
+
+START_TIMEOUT_S = 600.0
+"""The least time the actors get to start (process, imports, __init__), whatever trainer.rpc_timeout_s says:
+a short call deadline (set to see hangs early) must not fail a start on a busy machine."""
 
 
 class WorkerError(RuntimeError):
@@ -106,6 +120,10 @@ class DiffusionDistillationWorkerGroup(WorkerGroup):
         self.plan = plan
         self.world_size = plan.resources.world_size
         self.timeout = plan.trainer.rpc_timeout_s
+        # As the driver sees it: a worker's working directory need not be the driver's.
+        self.output_dir = Path(plan.trainer.output_dir).resolve()
+        self.status_dir = status.status_dir(self.output_dir)
+        self._clear_status_files()
         use_gpu = device == "cuda"
         # verl waits for the placement group without a deadline: a request the cluster cannot hold
         # would hang silently, so compare first.
@@ -126,10 +144,24 @@ class DiffusionDistillationWorkerGroup(WorkerGroup):
         cls = ray.remote(worker_cls or DiffusionDistillationWorker)
         config = plan.to_dict()
         self.group = RayWorkerGroup(
-            resource_pool=pool, ray_cls_with_init=RayClassWithInitArgs(cls=cls, plan_config=config),
+            resource_pool=pool,
+            ray_cls_with_init=RayClassWithInitArgs(
+                cls=cls, plan_config=config, status_dir=str(self.status_dir)
+            ),
             device_name="cuda" if use_gpu else "cpu",
-        )  # fmt: skip
+        )
         self._closed = False
+        # The actors' start gets a deadline of its own: on a busy machine it can take a good part of a short
+        # trainer.rpc_timeout_s, which init_model's deadline would otherwise include.
+        ready = [worker.__ray_ready__.remote() for worker in self.group.workers]
+        self._wait("start", ready, timeout=max(self.timeout, START_TIMEOUT_S))
+
+    def _clear_status_files(self) -> None:
+        """Remove the status files of an earlier run in this output directory: a rank that never starts
+        must not be reported with another run's stack."""
+        with contextlib.suppress(OSError):
+            for path in self.status_dir.glob("rank_*.txt"):
+                path.unlink(missing_ok=True)
 
     def _call(self, method: str, *args, **kwargs) -> list[Any]:
         if self._closed:
@@ -137,24 +169,28 @@ class DiffusionDistillationWorkerGroup(WorkerGroup):
         futures = getattr(self.group, method)(*args, **kwargs)
         return self._wait(method, futures)
 
-    def _wait(self, method: str, futures: list) -> list[Any]:
+    def _wait(self, method: str, futures: list, *, timeout: float | None = None) -> list[Any]:
         import ray
         from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
         index = {ref: rank for rank, ref in enumerate(futures)}
         results: dict[int, Any] = {}
         pending = list(futures)
-        deadline = time.monotonic() + self.timeout
+        sent = time.time()
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
         while pending:
             remaining = deadline - time.monotonic()
             ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, remaining))
             if not ready:
                 late = sorted(index[ref] for ref in pending)
-                self.kill()
-                raise WorkerTimeout(
-                    f"worker call {method}: rank(s) {late} did not answer within trainer.rpc_timeout_s = "
-                    f"{self.timeout:g} s; the workers were stopped"
-                )
+                if method in OPERATIONS:
+                    message = self._timeout_report(method, late, sent)
+                else:  # the actors' start: no operation ran, so there is no status to read
+                    message = (f"worker {method}: rank(s) {late} did not start within {timeout:g} s; the "
+                               "workers were stopped")  # fmt: skip
+                self.kill()  # only now: the late ranks dumped their stacks themselves, before the deadline
+                raise WorkerTimeout(message)
             for ref in ready:
                 rank = index[ref]
                 try:
@@ -174,6 +210,25 @@ class DiffusionDistillationWorkerGroup(WorkerGroup):
                     self.kill()
                     raise WorkerTimeout(f"worker call {method}: rank {rank} timed out") from None
         return [results[r] for r in range(len(futures))]
+
+    def _timeout_report(self, method: str, late: list[int], sent: float) -> str:
+        """The one-line error of a call that `late` did not answer in time; every rank's status and stack
+        go to ``<output_dir>/hang-<time>.txt`` (waiting at most REPORT_WAIT_S for the late ranks' dumps)."""
+        reports = status.read_reports(
+            self.status_dir, range(self.world_size), late, method=method, sent=sent,
+            until=time.monotonic() + status.REPORT_WAIT_S,
+        )  # fmt: skip
+        path = self.output_dir / f"hang-{time.strftime('%Y%m%d-%H%M%S')}.txt"
+        message = status.timeout_message(method, self.timeout, late, reports, str(path), sent=sent)
+        try:
+            status.write_log(
+                path, message, reports, late, method=method, sent=sent, directory=self.status_dir
+            )
+        except OSError as err:
+            message = status.timeout_message(
+                method, self.timeout, late, reports, f"not written ({path}: {err.strerror or err})", sent=sent
+            )
+        return message
 
     def kill(self) -> None:
         import ray

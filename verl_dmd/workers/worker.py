@@ -8,18 +8,33 @@ CPU, nccl on GPU) and builds the session. The other operations of
 forwards to the session's methods, each with its dispatch and ``blocking=False``:
 the driver-side group (`verl_dmd.workers.group`) waits on the per-rank futures
 itself, so it can name the rank that failed and enforce ``trainer.rpc_timeout_s``.
+
+Every operation, a subclass's override included (`operation` wraps it), runs
+inside `verl_dmd.workers.status.RankStatus.watch`: the rank's status file
+(``<output_dir>/.ranks/rank_<r>.txt``, or the ``status_dir`` the group passes)
+gets a header (rank, pid, operation, the request, the start time) and, if the
+operation is still running shortly before ``trainer.rpc_timeout_s``, every
+thread's stack from ``faulthandler``; the driver reads them when a call times out.
 """
 
 from __future__ import annotations
 
+import functools
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
 from verl.single_controller.base import Worker
 from verl.single_controller.base.decorator import register
 
+from verl_dmd.workers import status
 from verl_dmd.workers.operations import OPERATIONS, Dispatch, rank_arguments
+
+PROCESS_GROUP_GRACE_S = 10.0
+"""The process group's timeout is trainer.rpc_timeout_s plus this: a rank waiting in a collective for a
+rank that stopped must still be waiting (and be reported as waiting) when the driver's deadline passes,
+instead of failing with the backend's own timeout first and being named as the failed rank."""
 
 
 def _dispatch_mode(dispatch: Dispatch) -> dict:
@@ -35,9 +50,22 @@ def _dispatch_mode(dispatch: Dispatch) -> dict:
 
 
 def operation(name: str):
-    """verl's registration of operation `name` (its dispatch, non-blocking); a subclass that overrides an
-    operation decorates its method with it (``@operation("run_phase")``)."""
-    return register(dispatch_mode=_dispatch_mode(OPERATIONS[name]), blocking=False)
+    """verl's registration of operation `name` (its dispatch, non-blocking), run inside the rank's status
+    watch; a subclass that overrides an operation decorates its method with it (``@operation("run_phase")``)."""
+    registration = register(dispatch_mode=_dispatch_mode(OPERATIONS[name]), blocking=False)
+
+    def decorate(method):
+        @functools.wraps(method)
+        def watched(self, *args, **kwargs):
+            rank_status = getattr(self, "_rank_status", None)
+            if rank_status is None:  # no status file (see RankStatus.open)
+                return method(self, *args, **kwargs)
+            with rank_status.watch(name, args, kwargs):
+                return method(self, *args, **kwargs)
+
+        return registration(watched)
+
+    return decorate
 
 
 def _ignore_stop_signals() -> None:
@@ -56,12 +84,21 @@ def _ignore_stop_signals() -> None:
 
 
 class DiffusionDistillationWorker(Worker):
-    """One rank of a distillation run: builds its `RankSession` from the plan's config mapping."""
+    """One rank of a distillation run: builds its `RankSession` from the plan's config mapping.
 
-    def __init__(self, plan_config: dict[str, Any]) -> None:
+    `status_dir` is where this rank's status file goes (the group passes the absolute
+    ``<output_dir>/.ranks`` as the driver resolves it); None derives it from trainer.output_dir.
+    """
+
+    def __init__(self, plan_config: dict[str, Any], status_dir: str | None = None) -> None:
         super().__init__()
         self._plan_config = plan_config
         self.session = None
+        trainer = plan_config["trainer"]
+        directory = Path(status_dir) if status_dir else status.status_dir(trainer["output_dir"])
+        self._rank_status = status.RankStatus.open(
+            status.status_file(directory, self.rank), rank=self.rank, timeout=float(trainer["rpc_timeout_s"])
+        )
 
     @operation("init_model")
     def init_model(self):
@@ -82,7 +119,7 @@ class DiffusionDistillationWorker(Worker):
                 backend="nccl" if device.type == "cuda" else "gloo",
                 rank=self.rank,
                 world_size=self.world_size,
-                timeout=timedelta(seconds=plan.trainer.rpc_timeout_s),
+                timeout=timedelta(seconds=plan.trainer.rpc_timeout_s + PROCESS_GROUP_GRACE_S),
             )
         self.session = RankSession(plan, rank=self.rank, world_size=self.world_size, device=device)
         return self.session.describe()
