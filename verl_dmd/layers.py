@@ -37,6 +37,8 @@ LAYERS: dict[str, int] = {
     "verl_dmd.workers": 6,
     # 7. the driver and the entry points
     "verl_dmd.trainer": 7,
+    "verl_dmd.preflight": 7,
+    "verl_dmd.command_line": 7,
     "verl_dmd.main": 7,
     "verl_dmd.export_main": 7,
 }

@@ -2,12 +2,16 @@
 
 Recipes live in the packaged `recipes/` folder and are chosen with
 ``--config-name``; every key can be overridden with dotted ``key=value``
-arguments. The plan is built and validated before anything starts (a bad value
-is one line naming the key and exit code 2); then `DistillationRayTrainer` runs
-it on a ray worker group (``resources.nnodes`` x ``resources.workers_per_node``
-workers). ``--dry-run`` prints the resolved plan, its fingerprint and the first
-phases of the schedule, and stops; ``--local`` runs one rank in this process,
-without ray.
+arguments. Before hydra runs, `cli` composes the same config itself
+(`verl_dmd.command_line`), builds the plan and runs the pre-flight
+(`verl_dmd.preflight`): a broken recipe or override, a bad value, a missing or
+wrong model, a LoRA target that is not in the model, an unwritable output, an
+unusable resume target or too many workers is one line naming the key and exit
+code 2, with nothing started and no run directory made. Then
+`DistillationRayTrainer` runs the plan on a ray worker group
+(``resources.nnodes`` x ``resources.workers_per_node`` workers). ``--dry-run``
+prints the resolved plan, its fingerprint and the first phases of the schedule,
+and stops; ``--local`` runs one rank in this process, without ray.
 """
 
 from __future__ import annotations
@@ -19,8 +23,9 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from verl_dmd import recipes_dir
-from verl_dmd.controller import DistillationController
+from verl_dmd.command_line import compose
 from verl_dmd.plan import DistillationPlan, PlanError
+from verl_dmd.preflight import check_registered, preflight
 
 DEFAULT_RECIPE = "digits_dmd2"
 PREVIEW_PHASES = 16
@@ -48,6 +53,9 @@ def compose_plan(
 
 def schedule_preview(plan: DistillationPlan, num_phases: int) -> list[str]:
     """The roles of the first `num_phases` phases if every phase steps successfully."""
+    # Imported here: it imports torch, which a refused command line never needs.
+    from verl_dmd.controller import DistillationController
+
     controller = DistillationController(
         fake_update_ratio=plan.algorithm.fake_update_ratio,
         fake_warmup_steps=plan.algorithm.fake_warmup_steps,
@@ -73,35 +81,26 @@ def describe(plan: DistillationPlan) -> str:
     return "\n".join(lines)
 
 
-def check_registered(plan: DistillationPlan) -> None:
-    """Every name the plan selects from a registry exists (model adapter, method, data provider,
-    validator): one line naming the key and the registered names, before anything starts."""
-    from verl_dmd.adapters.registry import ADAPTERS
-    from verl_dmd.algorithms.registry import METHODS
-    from verl_dmd.registry import UnknownNameError
-    from verl_dmd.trainer.registry import DATA_PROVIDERS, VALIDATORS
+def check(plan: DistillationPlan, *, dry_run: bool, backend: str) -> None:
+    """What must hold before anything starts: the registry names for a dry run (which reads no file), the
+    whole pre-flight for a run; PlanError with one line."""
+    if dry_run:
+        check_registered(plan)
+    else:
+        preflight(plan, backend=backend)
 
-    selections = [
-        (ADAPTERS, plan.model.adapter),
-        (METHODS, plan.algorithm.name),
-        (DATA_PROVIDERS, plan.data.name),
-    ]
-    if plan.validation.name:
-        selections.append((VALIDATORS, plan.validation.name))
-    for registry, name in selections:
-        try:
-            registry.get(name)
-        except UnknownNameError as err:
-            raise PlanError(str(err)) from None
+
+# The (plan, dry_run, backend) that cli's check passed before hydra ran: run() does not check it again.
+_CHECKED: list[tuple[dict[str, Any], bool, str]] = []
 
 
 def run(cfg: Any, *, dry_run: bool = False, backend: str = "ray") -> int:
-    """Build the plan from `cfg` and act on it; returns a process exit code."""
+    """Build the plan from `cfg`, check it (unless cli checked the same one) and act on it; returns a
+    process exit code."""
     try:
         plan = DistillationPlan.from_config(cfg)
-        check_registered(plan)
-        if not dry_run:
-            plan.check_local_paths()
+        if (plan.to_dict(), dry_run, backend) not in _CHECKED:
+            check(plan, dry_run=dry_run, backend=backend)
     except PlanError as err:
         print(f"verl-dmd: error: {err}", file=sys.stderr)
         return 2
@@ -115,13 +114,34 @@ def run(cfg: Any, *, dry_run: bool = False, backend: str = "ray") -> int:
 
 
 _FLAGS = {"--dry-run": False, "--local": False}
+RECIPES = "pkg://verl_dmd.recipes"
 
 
-@hydra.main(version_base=None, config_path="pkg://verl_dmd.recipes", config_name=DEFAULT_RECIPE)
+@hydra.main(version_base=None, config_path=RECIPES, config_name=DEFAULT_RECIPE)
 def _hydra_main(cfg: DictConfig) -> None:
-    code = run(cfg, dry_run=_FLAGS["--dry-run"], backend="local" if _FLAGS["--local"] else "ray")
+    code = run(cfg, dry_run=_FLAGS["--dry-run"], backend=_backend())
     if code:
         sys.exit(code)
+
+
+def _backend() -> str:
+    return "local" if _FLAGS["--local"] else "ray"
+
+
+def check_command_line(argv: list[str]) -> int:
+    """Compose the config of `argv` as hydra.main will and check its plan, before hydra makes its run
+    directory: 2 (one line on stderr) when refused, else 0 (hydra's own flags, e.g. --cfg, go to hydra)."""
+    try:
+        cfg = compose(argv, task_function=_hydra_main, config_path=RECIPES, config_name=DEFAULT_RECIPE)
+        if cfg is None:
+            return 0
+        plan = DistillationPlan.from_config(cfg)
+        check(plan, dry_run=_FLAGS["--dry-run"], backend=_backend())
+    except PlanError as err:
+        print(f"verl-dmd: error: {err}", file=sys.stderr)
+        return 2
+    _CHECKED[:] = [(plan.to_dict(), _FLAGS["--dry-run"], _backend())]
+    return 0
 
 
 def cli() -> None:
@@ -147,6 +167,9 @@ def cli() -> None:
         if flag in sys.argv[1:]:
             _FLAGS[flag] = True
             sys.argv.remove(flag)
+    code = check_command_line(sys.argv[1:])
+    if code:
+        sys.exit(code)
     _hydra_main()
 
 

@@ -6,7 +6,10 @@ providers, validators) is a `Registry`: a class registers itself with
 module named in the registry's entry-point group, which is imported on first use.
 An unknown name is a one-line error naming the config key, listing what is
 registered and the group to install from. A broken plugin is reported with a
-warning and never hides the built-ins.
+warning and never hides the built-ins. `check_name(name)` answers what `get` would
+without importing the built-in modules when their names (`builtin_names`) and
+the absence of plugins settle it: the driver's pre-flight refuses a misspelt
+name in a second, not after importing diffusers.
 
 Layer 1: the standard library only.
 """
@@ -37,12 +40,15 @@ class Registry(Generic[T]):
         key: str,
         entry_point_group: str,
         builtin_modules: tuple[str, ...] = (),
+        builtin_names: tuple[str, ...] = (),
         check: Callable[[str, object], None] | None = None,
     ) -> None:
         self.kind = kind
         self.key = key
         self.entry_point_group = entry_point_group
         self.builtin_modules = builtin_modules
+        self.builtin_names = builtin_names
+        """What `builtin_modules` register (a test keeps them equal), known without importing them."""
         self._check = check
         self._entries: dict[str, T] = {}
         self._loaded = False
@@ -89,11 +95,24 @@ class Registry(Generic[T]):
         try:
             return self._entries[name]
         except KeyError:
-            raise UnknownNameError(
-                f"config key '{self.key}' = {name!r}: no such {self.kind}; registered: "
-                f"{', '.join(sorted(self._entries)) or 'none'}; fix: pick one, or install the package that "
-                f"registers it (entry-point group {self.entry_point_group!r})"
-            ) from None
+            raise self._unknown(name, self._entries) from None
+
+    def check_name(self, name: str) -> None:
+        """Raise the `UnknownNameError` that `get(name)` would, importing nothing while the answer is known
+        without: a built-in name exists; any other name is unknown when no package extends this registry
+        (no entry point in its group). Otherwise `get` decides."""
+        if name in self._entries or name in self.builtin_names:
+            return
+        if not self._loaded and not importlib.metadata.entry_points(group=self.entry_point_group):
+            raise self._unknown(name, {*self._entries, *self.builtin_names})
+        self.get(name)
+
+    def _unknown(self, name: str, known) -> UnknownNameError:
+        return UnknownNameError(
+            f"config key '{self.key}' = {name!r}: no such {self.kind}; registered: "
+            f"{', '.join(sorted(known)) or 'none'}; fix: pick one, or install the package that "
+            f"registers it (entry-point group {self.entry_point_group!r})"
+        )
 
 
 def _qualname(entry: object) -> str:

@@ -28,6 +28,7 @@ ADAPTERS: Registry[type[DistributionMatchingModelAdapter]] = Registry(
     key="model.adapter",
     entry_point_group=ENTRY_POINT_GROUP,
     builtin_modules=("verl_dmd.adapters.diffusers_transformers",),
+    builtin_names=("dit", "flux", "qwen_image", "sd3", "wan"),
     check=_check,
 )
 

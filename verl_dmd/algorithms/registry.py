@@ -39,6 +39,7 @@ METHODS: Registry[type] = Registry(
     key="algorithm.name",
     entry_point_group=ENTRY_POINT_GROUP,
     builtin_modules=("verl_dmd.algorithms.dmd2",),
+    builtin_names=("dmd2",),
     check=_check,
 )
 

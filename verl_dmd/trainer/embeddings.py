@@ -42,6 +42,11 @@ class EmbeddingsProvider:
     def from_plan(cls, plan, group, info, log=print) -> EmbeddingsProvider:
         return cls(plan)
 
+    @classmethod
+    def preflight(cls, plan) -> None:
+        """Check data.path as `from_plan` will, before any worker starts (headers only: no tensor is read)."""
+        cls(plan)
+
     def __init__(self, plan) -> None:
         from safetensors import safe_open
 

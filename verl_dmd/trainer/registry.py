@@ -6,6 +6,10 @@ group to sample, as digits does for its teacher pairs); ``next_batch(size)`` ret
 the next global batch; ``state_dict()`` / ``load_state_dict()`` hold its position
 (plain numbers: it is checkpointed); its class attribute ``validator`` names the
 validator that suits its data (None: none), used while ``validation.name`` is empty.
+A provider or validator may also have a classmethod ``preflight(plan)``: the driver's
+pre-flight (`verl_dmd.preflight`) calls it before ray or any worker starts, and a
+ValueError it raises is the run's one-line error (the embeddings provider checks its
+files there).
 
 A validator is a class registered with ``@register_validator("<name>")``:
 ``from_plan(plan, group, info)`` builds it; ``run(out_dir)`` samples through the
@@ -38,6 +42,7 @@ DATA_PROVIDERS: Registry[type] = Registry(
     key="data.name",
     entry_point_group="verl_dmd.data_providers",
     builtin_modules=_BUILTINS,
+    builtin_names=("digits", "embeddings"),
     check=_has_from_plan("data_provider"),
 )
 VALIDATORS: Registry[type] = Registry(
@@ -45,6 +50,7 @@ VALIDATORS: Registry[type] = Registry(
     key="validation.name",
     entry_point_group="verl_dmd.validators",
     builtin_modules=_BUILTINS,
+    builtin_names=("digits",),
     check=_has_from_plan("validator"),
 )
 
