@@ -362,3 +362,44 @@ def optimizer_step_path(rank: int, world_size: int, layout: str, local: bool) ->
     stack.run(PHASES)
     counts = {role.value: dict(step.counts) for role, step in stack.engine._local_steps.items()}
     return {"final": stack.snapshot(), "counts": counts}
+
+
+def _digest(snapshot: dict) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    for key in sorted(snapshot["tensors"]):
+        digest.update(key.encode())
+        digest.update(snapshot["tensors"][key].reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def two_checkpoints(rank: int, world_size: int, layout: str, root: str) -> dict:
+    """PHASES phases, a save, PHASES more, a save: two checkpoints; each one's state digest."""
+    stack = Stack(rank, world_size, layout)
+    digests = {}
+    for _ in range(2):
+        stack.run(PHASES)
+        path = stack.save(root)
+        digests[path.name] = _digest(stack.snapshot())
+    return digests
+
+
+def load_each(rank: int, world_size: int, layout: str, roots: list[str], overrides: dict) -> list[dict]:
+    """Resume from each root in turn (one stack, loaded over and over): the step, state digest, warnings
+    and error of each."""
+    import warnings
+
+    stack = Stack(rank, world_size, layout, **overrides)
+    out = []
+    for root in roots:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            try:
+                loaded = stack.load(root)
+            except CheckpointError as err:
+                out.append({"error": str(err), "warnings": [str(w.message) for w in seen]})
+                continue
+        out.append({"step": None if loaded is None else loaded.global_step, "digest": _digest(stack.snapshot()),
+                    "warnings": [str(w.message) for w in seen], "error": None})  # fmt: skip
+    return out

@@ -34,7 +34,7 @@ def base_config() -> dict:
 def valid_config() -> dict:
     """The base config plus the few keys that have no usable default."""
     cfg = base_config()
-    cfg["model"]["adapter"] = "digits"
+    cfg["model"]["adapter"] = "dit"
     cfg["model"]["teacher"]["config"] = {"sample_size": 8, "num_layers": 2}
     cfg["model"]["student"]["lora"]["rank"] = 4
     cfg["model"]["fake_score"]["lora"]["rank"] = 4
@@ -82,10 +82,24 @@ def test_omegaconf_input_with_interpolation_and_missing_value():
     """DictConfig input resolves interpolations; a ??? value is reported with its key."""
     cfg = OmegaConf.create(valid_config())
     cfg.trainer.experiment_name = "${model.adapter}_run"
-    assert DistillationPlan.from_config(cfg).trainer.experiment_name == "digits_run"
+    assert DistillationPlan.from_config(cfg).trainer.experiment_name == "dit_run"
     cfg.data.name = "???"
     with pytest.raises(PlanError, match=r"'data\.name' is missing"):
         DistillationPlan.from_config(cfg)
+
+
+def test_an_interpolation_that_does_not_resolve_names_the_key_that_holds_it():
+    """OmegaConf names the first key that fails to resolve (here one that refers to the broken one);
+    the plan names the key whose own value holds the typo."""
+    cfg = OmegaConf.create(valid_config())
+    cfg.data.regression_pairs_path = "${trainer.output_dir}/pairs.safetensors"
+    cfg.trainer.output_dir = "${trainer.outptu_dir}/x"
+    with pytest.raises(PlanError) as caught:
+        DistillationPlan.from_config(cfg)
+    assert str(caught.value).startswith(
+        "config key 'trainer.output_dir' = '${trainer.outptu_dir}/x': does not resolve: Interpolation key "
+        "'trainer.outptu_dir' not found; fix: "
+    )
 
 
 def test_int_accepted_for_float_and_lists_become_tuples():
@@ -428,7 +442,7 @@ ALTERNATIVES = {
     "checkpoint.keep_last": 0,
     "checkpoint.keep_every": 1000,
     "checkpoint.resume": "disable",
-    "checkpoint.verify_hashes": True,
+    "checkpoint.verify_hashes": False,
     "validation.name": "digits",
     "validation.every": 100,
     "validation.num_samples": 16,

@@ -83,6 +83,13 @@ def test_sigterm_saves_and_the_same_command_resumes_to_the_same_result(tmp_path)
     assert got_state["trainer"]["controller"]["student_steps"] == 6
     assert got_weights == want_weights
     assert (tmp_path / "b" / "samples" / "student_ema_1step.png").is_file()
+    # Every file of the final checkpoint, byte for byte (both ranks' RNG files and DCP shards included):
+    # the 2-worker runs are deterministic and the resume exact.
+    final_a, final_b = (tmp_path / run / "checkpoints" / "global_step_6" for run in ("a", "b"))
+    names = sorted(p.relative_to(final_a).as_posix() for p in final_a.rglob("*") if p.is_file())
+    assert names == sorted(p.relative_to(final_b).as_posix() for p in final_b.rglob("*") if p.is_file())
+    assert "rng/rank_1.pt" in names and "engine/__1_0.distcp" in names
+    assert [n for n in names if (final_a / n).read_bytes() != (final_b / n).read_bytes()] == []
 
 
 FAULT_DRIVER = textwrap.dedent(
@@ -113,22 +120,57 @@ FAULT_DRIVER = textwrap.dedent(
             "worker call run_phase failed on rank 1: ValueError: injected failure on purpose",
         ),
         ("DyingWorker", 600, "worker call run_phase: rank 1 died"),
-        ("HangingWorker", 20, "did not answer within trainer.rpc_timeout_s = 20 s"),
+        (
+            "HangingWorker",
+            20,
+            "worker call run_phase: rank(s) [1] stopped answering (phase 2, fake_score; at ray_workers.py:",
+        ),
     ],
 )
 def test_a_failing_rank_ends_the_run_with_its_rank_and_error(tmp_path, worker, timeout, message):
     """Rank 1 raises, dies or hangs in its third phase: the driver names the rank (and the original
-    error), stops the workers and exits non-zero within the timeout."""
+    error), stops the workers and exits non-zero within the timeout. A hang names rank 1 alone as the
+    rank that stopped (rank 0 waits for it in a collective) and points to a log of both ranks' stacks."""
     started = time.monotonic()
     result = subprocess.run(
         [sys.executable, "-c", FAULT_DRIVER.format(tests=str(TESTS)), worker, *TINY,
          f"trainer.output_dir={tmp_path}", f"trainer.rpc_timeout_s={timeout}"],
         capture_output=True, text=True, timeout=300, cwd=tmp_path, env={**os.environ, "VERL_DMD_TEST_HANG_S": "600"},
     )  # fmt: skip
-    elapsed = time.monotonic() - started
-    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
-    assert message in result.stdout + result.stderr, result.stdout[-3000:] + result.stderr[-3000:]
+    elapsed, exited = time.monotonic() - started, time.time()
+    output = result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.returncode == 1, output
+    assert message in result.stdout + result.stderr, output
     assert elapsed < 200, elapsed
+    if worker == "HangingWorker":
+        check_hang_report(result.stderr, timeout, exited)
+
+
+def check_hang_report(stderr: str, timeout: float, exited: float) -> None:
+    """The timeout's one line and the log it names: rank 1 stopped in ray_workers.py's sleep, rank 0 waits
+    in torch.distributed, both stacks are there, and the report came within timeout + 5 s of the
+    hanging phase's start (as rank 1 recorded it)."""
+    import re
+
+    line = next(line for line in stderr.splitlines() if "worker call run_phase" in line)
+    assert "rank(s) [0] were waiting for them in a collective" in line, line
+    assert "within trainer.rpc_timeout_s = 20 s" in line and line.endswith("the workers were stopped"), line
+    assert "[0, 1]" not in line, line
+    log = Path(re.search(r"every rank's stack: (\S+);", line).group(1))
+    text = log.read_text()
+    rank0 = text.split("== rank 0: ")[1].split("== rank 1: ")[0]
+    rank1 = text.split("== rank 1: ")[1]
+    assert rank0.startswith("waiting in a collective") and "/torch/distributed/" in rank0, text[-6000:]
+    assert rank1.startswith("stopped answering, not in a collective (at ray_workers.py:"), text[-6000:]
+    assert "ray_workers.py" in rank1 and "in run_phase" in rank1 and "/torch/distributed/" not in rank1
+    for rank_text in (rank0, rank1):
+        assert "operation: run_phase" in rank_text and "request: phase 2, fake_score" in rank_text
+        assert "(most recent call first):" in rank_text  # a faulthandler dump
+    hang_started = float(re.search(r"started_unix: ([0-9.]+)", rank1).group(1))
+    reported = float(re.search(r"report written: .* \(unix ([0-9.]+),", text).group(1))
+    assert timeout - 1 <= reported - hang_started <= timeout + 5, (reported - hang_started, text[:2000])
+    print(f"timeout {timeout} s: reported {reported - hang_started:.2f} s after rank 1's phase began; the "
+          f"driver exited (ray shut down) {exited - hang_started:.2f} s after it")  # fmt: skip
 
 
 def test_a_stop_after_fake_phases_keeps_the_checkpoint_of_the_same_global_step(tmp_path):

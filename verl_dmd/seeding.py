@@ -7,7 +7,7 @@ the run seed into high bits (``seed * 1_000_003 + rank``) silently drops it, and
 arithmetic seeds of different streams can coincide (``seed + 1`` of one run is
 ``seed`` of the next). Distinct parts give distinct streams in practice.
 
-Layer 1: the standard library and torch only.
+Layer 1: the standard library, torch and numpy only.
 """
 
 from __future__ import annotations
@@ -40,6 +40,21 @@ def seed_models(seed: int) -> None:
     checkpoint but rebuilt from this seed, so its value is part of every checkpoint written so far.
     """
     torch.manual_seed(seed)
+
+
+def seed_host_generators(seed: int, rank: int) -> None:
+    """Seed this process's global numpy and python generators for rank `rank` of the run.
+
+    verl_dmd draws from neither; they are seeded anyway (at session start) because they are saved in
+    every checkpoint's RNG file and a user's computer may draw from them: unseeded, each process starts
+    them from OS entropy and two identical runs would save different files.
+    """
+    import random
+
+    import numpy as np
+
+    np.random.seed(stream_seed(seed, "numpy", rank) % 2**32)
+    random.seed(stream_seed(seed, "python", rank))
 
 
 def fixed_generator(seed: int) -> torch.Generator:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import random
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,8 +25,10 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from verl_dmd.checkpoint.engine_state import load_engine, load_schedule_state, save_engine, schedule_state
+from verl_dmd.checkpoint.safe_io import VerifiedReader, load_tensor_file, read_verified
 from verl_dmd.checkpoint.store import Checkpoint, CheckpointError, CheckpointStore
 from verl_dmd.seeding import stream_seed
 
@@ -167,31 +170,166 @@ def check_plan(checkpoint: Checkpoint, plan) -> None:
     )
 
 
-def load_checkpoint(store: CheckpointStore, engine, plan) -> LoadedCheckpoint | None:
-    """Resolve `plan.checkpoint.resume`, check the plan, then load the engine state in place."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    found = None
-    if rank == 0:
-        checkpoint = store.resolve(plan.checkpoint.resume, hashes=plan.checkpoint.verify_hashes)
-        found = None if checkpoint is None else str(checkpoint.path)
-    found = _broadcast_path(found)
-    if found is None:
-        if rank == 0:  # a new timeline starts at 0: earlier runs' checkpoints are set aside
-            store.set_aside_newer_than(-1)
-        return None
-    checkpoint = CheckpointStore.verify(found)  # every rank reads the manifest it will trust
-    check_plan(checkpoint, plan)  # before any weight is read (and before anything is set aside)
-    if rank == 0:
-        # A new timeline starts here: later (abandoned or damaged) checkpoints are set aside.
-        store.set_aside_newer_than(checkpoint.global_step)
-    state = json.loads((checkpoint.path / TRAINER_STATE).read_text())
-    load_engine(engine, checkpoint.path / ENGINE_DIR)
-    load_schedule_state(engine, state["schedule"])
-    saved_world_size = int(checkpoint.manifest["world_size"])
-    rank_state = None
-    if saved_world_size == world_size:
-        rank_state = torch.load(checkpoint.path / RNG_DIR / f"rank_{rank}.pt", weights_only=True)
-    dist.barrier()
-    return LoadedCheckpoint(
-        checkpoint.path, checkpoint.global_step, state["trainer"], rank_state, saved_world_size
+def all_damaged(root: Path, damaged: list[str]) -> CheckpointError:
+    """The error of a resume whose checkpoints all turned out damaged (nothing is set aside)."""
+    return CheckpointError(
+        f"checkpoint.resume found {len(damaged)} checkpoint(s) under {root} and none is intact: "
+        + "; ".join(damaged)
+        + "; nothing was set aside or deleted; fix: restore the damaged files, point checkpoint.resume at "
+        "a copy, or set checkpoint.resume=disable to start afresh deliberately"
     )
+
+
+def preflight_resume(plan) -> None:
+    """On the driver, before anything starts: `checkpoint.resume` resolves (see `CheckpointStore.candidates`),
+    and the newest candidate was written under this plan; else one-line CheckpointError. The file hashes
+    are checked by the load itself, in the same pass that reads them."""
+    root = checkpoint_root(plan)
+    found = CheckpointStore(root).candidates(plan.checkpoint.resume)
+    if found.checkpoints:
+        check_plan(found.checkpoints[0], plan)
+    elif found.damaged:
+        raise all_damaged(found.root or root, found.damaged)
+
+
+class _Damaged(Exception):
+    """A candidate checkpoint with a damaged file (every rank raises it, with the same message)."""
+
+
+def _agree(errors: list[str]) -> list[str]:
+    """Every rank's errors, on every rank (collective), without duplicates, in rank order."""
+    gathered: list[list[str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, errors)  # our own strings, within the job's process group
+    seen: dict[str, None] = {}
+    for part in gathered:
+        seen.update(dict.fromkeys(part or []))
+    return list(seen)
+
+
+def _load_verified(checkpoint: Checkpoint, engine, plan) -> tuple[dict[str, Any], dict | None]:
+    """Load `checkpoint` into the engine, checking each file's SHA-256 while it is read (collective).
+
+    Returns (trainer state, this rank's tensors or None at another world size); raises `_Damaged` on every
+    rank when any rank found a damaged file (the engine then holds a partial load: load another over it).
+    """
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    files = checkpoint.manifest["files"]
+    verify = plan.checkpoint.verify_hashes
+
+    def sha(relative: str) -> str | None:
+        return files[relative]["sha256"] if verify and relative in files else None
+
+    engine_prefix = f"{ENGINE_DIR}/"
+    expected = (
+        {k[len(engine_prefix) :]: v["sha256"] for k, v in files.items() if k.startswith(engine_prefix)}
+        if verify
+        else None
+    )
+    errors, reader = [], None
+    try:
+        reader = VerifiedReader(checkpoint.path / ENGINE_DIR, expected)
+    except CheckpointError as err:
+        errors.append(str(err))
+    errors = _agree(errors)
+    if errors:
+        raise _Damaged("; ".join(errors))
+    try:
+        load_engine(engine, checkpoint.path / ENGINE_DIR, reader=reader)
+    except (Exception, CheckpointException) as err:  # DCP's own error derives from BaseException
+        errors.append(
+            f"{checkpoint.path / ENGINE_DIR}: does not load ({type(err).__name__}: {_first_line(err)})"
+        )
+    errors.extend(reader.damaged)
+    read = {engine_prefix + name for name in reader.verified}
+    state, rank_state = None, None
+    try:
+        state = json.loads(read_verified(checkpoint.path / TRAINER_STATE, sha(TRAINER_STATE)))
+        read.add(TRAINER_STATE)
+        if not isinstance(state, dict) or not {"trainer", "schedule"} <= state.keys():
+            raise CheckpointError(f"{checkpoint.path / TRAINER_STATE}: not a verl_dmd trainer state")
+    except (CheckpointError, ValueError) as err:
+        errors.append(str(err) if isinstance(err, CheckpointError) else
+                      f"{checkpoint.path / TRAINER_STATE}: not JSON ({err})")  # fmt: skip
+    if int(checkpoint.manifest["world_size"]) == world_size:
+        relative = f"{RNG_DIR}/rank_{rank}.pt"
+        try:
+            rank_state = load_tensor_file(checkpoint.path / relative, sha(relative))
+            read.add(relative)
+        except CheckpointError as err:
+            errors.append(str(err))
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, (errors, sorted(read)))
+    if rank == 0 and verify:  # the files no rank read (another world size's RNG files): checked here
+        seen = set().union(*(set(part[1]) for part in gathered))
+        for relative in sorted(set(files) - seen):
+            try:
+                read_verified(checkpoint.path / relative, sha(relative))
+            except CheckpointError as err:
+                errors.append(str(err))
+    errors = _agree(errors + [e for part in gathered for e in part[0]])
+    if errors:
+        raise _Damaged("; ".join(errors))
+    load_schedule_state(engine, state["schedule"])
+    return state, rank_state
+
+
+def _first_line(err: BaseException) -> str:
+    """One line for `err`; for DCP's CheckpointException, each failing rank's own error."""
+    if isinstance(err, CheckpointException):
+        return "; ".join(f"rank {rank}: {_first_line(failure[0])}" for rank, failure in err.failures.items())
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def load_checkpoint(store: CheckpointStore, engine, plan) -> LoadedCheckpoint | None:
+    """Resolve `plan.checkpoint.resume` and load the newest intact candidate into the engine, in place.
+
+    Rule (docs/checkpoint-format.md): ``auto`` with no checkpoint starts afresh (None); a candidate whose
+    files do not match the manifest is skipped with a warning naming the file and the next older one is
+    loaded over it; when checkpoints exist and none is intact, CheckpointError naming each damaged file
+    (nothing set aside). A path that names one checkpoint loads that one or fails. After a load, newer
+    checkpoints of this root are set aside (a new timeline starts) and retention is re-applied (a save
+    cut short by a crash may have published without it).
+    """
+    rank = dist.get_rank()
+    listing = None
+    if rank == 0:
+        try:
+            found = store.candidates(plan.checkpoint.resume)
+            listing = {"paths": [str(c.path) for c in found.checkpoints], "damaged": found.damaged,
+                       "explicit": found.explicit, "root": str(found.root or store.root)}  # fmt: skip
+        except CheckpointError as err:
+            listing = {"error": str(err)}
+    holder = [listing]
+    dist.broadcast_object_list(holder, src=0)  # our own strings, within the job's process group
+    listing = holder[0]
+    if "error" in listing:
+        raise CheckpointError(listing["error"])
+    damaged = list(listing["damaged"])
+    if rank == 0:
+        for err in damaged:  # manifests that do not check out, or files of the wrong size
+            warnings.warn(f"skipping damaged checkpoint: {err}", stacklevel=2)
+    for found in listing["paths"]:
+        checkpoint = CheckpointStore.verify(found)  # every rank reads the manifest it will trust
+        check_plan(checkpoint, plan)  # before any weight is read (and before anything is set aside)
+        try:
+            state, rank_state = _load_verified(checkpoint, engine, plan)
+        except _Damaged as err:
+            if listing["explicit"]:
+                raise CheckpointError(f"config key 'checkpoint.resume' = {found!r}: {err}") from None
+            damaged.append(str(err))
+            if rank == 0:
+                warnings.warn(f"skipping damaged checkpoint {checkpoint.path.name}: {err}", stacklevel=2)
+            continue
+        if rank == 0 and checkpoint.path.parent == store.root:
+            # A new timeline starts here: later (abandoned or damaged) checkpoints are set aside.
+            store.set_aside_newer_than(checkpoint.global_step)
+            store.apply_retention(keep_last=plan.checkpoint.keep_last, keep_every=plan.checkpoint.keep_every)
+        dist.barrier()
+        return LoadedCheckpoint(checkpoint.path, checkpoint.global_step, state["trainer"], rank_state,
+                                int(checkpoint.manifest["world_size"]))  # fmt: skip
+    if damaged:
+        raise all_damaged(Path(listing["root"]), damaged)
+    if rank == 0:  # a new timeline starts at 0: earlier runs' checkpoints are set aside
+        store.set_aside_newer_than(-1)
+    return None

@@ -107,17 +107,23 @@ def load_schedule_state(engine, state: dict[str, Any]) -> None:
 
 
 def save_engine(engine, directory) -> None:
-    """Collective: every rank writes its shards of `engine_state` to `directory` with DCP."""
+    """Collective: every rank writes its shards of `engine_state` to `directory` with DCP (the same bytes
+    for the same state: `verl_dmd.checkpoint.safe_io.DeterministicWriter`)."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(engine_state(engine), checkpoint_id=str(directory))
+    from verl_dmd.checkpoint.safe_io import DeterministicWriter
+
+    dcp.save(engine_state(engine), storage_writer=DeterministicWriter(str(directory)))
 
 
-def load_engine(engine, directory) -> None:
-    """Collective: fill the engine's tensors in place from `directory` (any world size)."""
+def load_engine(engine, directory, *, reader=None) -> None:
+    """Collective: fill the engine's tensors in place from `directory` (any world size), through `reader`
+    (a `verl_dmd.checkpoint.safe_io.VerifiedReader`; one without hash checks when None)."""
     import torch.distributed.checkpoint as dcp
+
+    from verl_dmd.checkpoint.safe_io import VerifiedReader
 
     engine.reshard()
     state = engine_state(engine)
     with torch.no_grad():
-        dcp.load(state, checkpoint_id=str(directory))
+        dcp.load(state, storage_reader=reader or VerifiedReader(directory))

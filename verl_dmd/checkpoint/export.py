@@ -37,7 +37,7 @@ import os
 import shutil
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from verl_dmd.checkpoint.composite import ENGINE_DIR, check_plan
-from verl_dmd.checkpoint.store import Checkpoint, CheckpointStore, file_sha256
+from verl_dmd.checkpoint.store import Checkpoint, CheckpointError, CheckpointStore, file_sha256
 from verl_dmd.phases import Role
 from verl_dmd.runtime import lora
 from verl_dmd.runtime.layouts import StorageLayout, layout_for
@@ -91,13 +91,21 @@ def dmd2_config(plan, sigma_max: float = 1.0) -> dict[str, Any]:
 # --------------------------------------------------------------------------- reading the role
 
 
-def read_role_tensors(engine_dir: Path, selection: RoleTensors) -> dict[str, torch.Tensor]:
-    """The tensors `selection` names, full size, by parameter name, read from DCP without a process group."""
+def read_role_tensors(
+    engine_dir: Path, selection: RoleTensors, expected: Mapping[str, str] | None = None
+) -> dict[str, torch.Tensor]:
+    """The tensors `selection` names, full size, by parameter name, read from DCP without a process group.
+
+    Through `VerifiedReader`: nothing in the files runs as code, and each file read is checked against
+    `expected` (file name in the DCP directory -> SHA-256) as it is read; CheckpointError names a
+    damaged one."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    from verl_dmd.checkpoint.safe_io import VerifiedReader
+
     prefix, adapter_name = selection.prefix, selection.adapter
-    reader = dcp.FileSystemReader(str(engine_dir))
+    reader = VerifiedReader(engine_dir, expected)
     metadata = reader.read_metadata().state_dict_metadata
     template: dict[str, torch.Tensor] = {}
     for key, meta in metadata.items():
@@ -116,6 +124,8 @@ def read_role_tensors(engine_dir: Path, selection: RoleTensors) -> dict[str, tor
     with warnings.catch_warnings():  # one process on purpose, whatever the world size that saved it
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(template, storage_reader=reader, no_dist=True)
+    if reader.damaged:
+        raise CheckpointError("; ".join(reader.damaged))
     return {canonical_name(key[len(prefix) :]): tensor for key, tensor in template.items()}
 
 
@@ -173,7 +183,11 @@ def load_role(layout: StorageLayout, found: Checkpoint, role: Role) -> LoadedRol
     """The model holding `role`'s trained weights, built as the engine builds it and filled exactly."""
     where = f"{found.path} ({role.value})"
     selection = layout.role_tensors(role)
-    tensors = read_role_tensors(found.path / ENGINE_DIR, selection)
+    prefix = f"{ENGINE_DIR}/"
+    expected = {
+        k[len(prefix) :]: v["sha256"] for k, v in found.manifest["files"].items() if k.startswith(prefix)
+    }
+    tensors = read_role_tensors(found.path / ENGINE_DIR, selection, expected)
     check_finite(tensors, where)
     layout.seed()  # a config-built base must draw what the engine drew
     model = layout.build_role_model(role)

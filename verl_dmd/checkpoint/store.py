@@ -311,3 +311,64 @@ class CheckpointStore:
             except CheckpointError as err:
                 warnings.warn(f"skipping damaged checkpoint: {err}", stacklevel=2)
         return None
+
+    def candidates(self, resume: str) -> Resumable:
+        """What `resume` may load, newest first, each with its manifest and file sizes checked, and the
+        damage found in the others; the file hashes are checked while a candidate is loaded.
+
+        ``auto``: this root's published checkpoints. A path: that checkpoint (`explicit`: no fallback
+        when it turns out damaged), or, when the path is a root that holds checkpoints, that root's.
+        Anything else (``latest``, a missing path, a file, a folder that is no checkpoint) is a
+        CheckpointError naming ``checkpoint.resume``.
+        """
+        if resume == "disable":
+            return Resumable([], [], explicit=False)
+        if resume == "auto":
+            return _scan(self.root)
+        path = Path(resume).expanduser()
+        allowed = "allowed: auto (the newest intact checkpoint), disable, or a checkpoint directory"
+        if resume == LATEST and not path.exists():
+            raise CheckpointError(
+                f"config key 'checkpoint.resume' = 'latest': not a checkpoint; {allowed}; "
+                "fix: checkpoint.resume=auto"
+            )
+        if not path.exists():
+            raise CheckpointError(
+                f"config key 'checkpoint.resume' = {resume!r}: no such directory; {allowed}; fix: point it "
+                "at a global_step_<N> directory (or a checkpoint root), or use auto"
+            )
+        if not path.is_dir():
+            raise CheckpointError(
+                f"config key 'checkpoint.resume' = {resume!r}: a file, not a checkpoint directory; {allowed}"
+            )
+        if (path / MANIFEST).exists():
+            return Resumable([CheckpointStore.verify(path)], [], explicit=True)
+        found = _scan(path)
+        if not found.checkpoints and not found.damaged:
+            raise CheckpointError(
+                f"config key 'checkpoint.resume' = {resume!r}: neither a checkpoint (no {MANIFEST}) nor a "
+                f"root holding global_step_<N> checkpoints; {allowed}"
+            )
+        return found
+
+
+@dataclass(frozen=True)
+class Resumable:
+    """The checkpoints a resume may load (newest first) and one line per damaged one already seen."""
+
+    checkpoints: list[Checkpoint]
+    damaged: list[str]
+    explicit: bool = False
+    """True when `resume` named one checkpoint: a damaged one is an error, never a fallback."""
+    root: Path | None = None
+    """The root that was scanned (None: one named checkpoint, or nothing)."""
+
+
+def _scan(root: Path) -> Resumable:
+    found, damaged = [], []
+    for _, path in sorted(CheckpointStore(root)._published(), reverse=True):
+        try:
+            found.append(CheckpointStore.verify(path))
+        except CheckpointError as err:
+            damaged.append(str(err))
+    return Resumable(found, damaged, root=root)

@@ -84,6 +84,9 @@ RESUME_MUTABLE_KEYS: tuple[str, ...] = (
     "checkpoint",
     "validation",
     "export",
+    # Where the teacher pairs are kept, not what they are: the file records what made it (teacher
+    # content hash, steps, seed, guidance), checked on load, so a run moved to another output_dir resumes.
+    "data.regression_pairs_path",
 )
 
 
@@ -577,9 +580,10 @@ class CheckpointSpec:
     keep_every: int = 0
     """Also keep every checkpoint whose global step is a multiple of N; 0 disables."""
     resume: str = "auto"
-    """auto (latest complete checkpoint, if any), disable, or a checkpoint directory path."""
-    verify_hashes: bool = False
-    """Check every file's SHA-256 on load (sizes are always checked)."""
+    """auto (the newest intact checkpoint, if any; an error when checkpoints exist and none is intact),
+    disable (start afresh), a checkpoint directory, or a checkpoint root (its newest intact one)."""
+    verify_hashes: bool = True
+    """Check every file's SHA-256 while it is read on load (no second pass; sizes are always checked)."""
 
     def validate(self, key: str) -> None:
         check_int(f"{key}.save_every", self.save_every, minimum=0)
@@ -745,10 +749,11 @@ class DistillationPlan:
         """Build and validate a plan from an OmegaConf config or a plain mapping.
 
         Interpolations are resolved; a missing mandatory value (``???``) is
-        reported with its key. The hydra node, if present, is ignored.
+        reported with its key, an interpolation that does not resolve with the key
+        whose value holds it. The hydra node, if present, is ignored.
         """
         from omegaconf import DictConfig, OmegaConf
-        from omegaconf.errors import MissingMandatoryValue
+        from omegaconf.errors import GrammarParseError, InterpolationResolutionError, MissingMandatoryValue
 
         # DictConfig registers as a Mapping, so test for it first.
         if isinstance(config, DictConfig):
@@ -759,6 +764,8 @@ class DistillationPlan:
                 raise PlanError(
                     f"config key '{key}' is missing (???): it has no default; fix: set {key}=..."
                 ) from None
+            except (InterpolationResolutionError, GrammarParseError) as err:
+                raise _interpolation_error(config, err) from None
         elif isinstance(config, Mapping):
             config = dict(config)
         else:
@@ -830,10 +837,11 @@ class DistillationPlan:
         `other_semantic` is another plan's `semantic_dict()` (e.g. from a
         checkpoint manifest); a key present on one side only shows as `<absent>`, except a key of
         `ADDED_KEYS` that the other side lacks while this plan holds the value listed there (the
-        behaviour before the key existed).
+        behaviour before the key existed). Keys that were semantic when `other_semantic` was written and are
+        resume-mutable now (`RESUME_MUTABLE_KEYS`) are no difference.
         """
         mine = flatten(self.semantic_dict())
-        theirs = flatten(dict(other_semantic))
+        theirs = flatten(without_keys(dict(other_semantic), RESUME_MUTABLE_KEYS))
         absent = "<absent>"
         return [
             (key, theirs.get(key, absent), mine.get(key, absent))
@@ -875,6 +883,34 @@ def _check_source(key: str, path: str | None, subfolder: str | None, config: Any
         raise error(
             f"{key}.subfolder", subfolder, f"only applies with {key}.path", f"set {key}.path or remove it"
         )
+
+
+def _interpolation_error(config: Any, err: Exception) -> PlanError:
+    """The one line for an interpolation that does not resolve (``${trainer.outptu_dir}``), naming the key
+    whose own value holds it rather than the first key that refers to that one (OmegaConf names that)."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    failing: dict[str, str] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        for name, value in node.items():
+            key = f"{prefix}.{name}" if prefix else str(name)
+            if isinstance(value, Mapping):
+                walk(value, key)
+            elif isinstance(value, str) and "${" in value:
+                try:
+                    OmegaConf.select(config, key)
+                except OmegaConfBaseException:
+                    failing[key] = value
+
+    walk(OmegaConf.to_container(config, resolve=False), "")
+    # The key whose value holds the typo refers to no other failing key (the keys that refer to it do).
+    roots = [k for k, v in failing.items() if not any(f"${{{o}}}" in v for o in failing if o != k)]
+    key = roots[0] if roots else getattr(err, "full_key", None) or "?"
+    reason = str(err).splitlines()[0]
+    return error(key, failing.get(key, "?"), f"does not resolve: {reason}",
+                 "correct the interpolation (${section.key}, a dotted key from the top) or give a plain value")  # fmt: skip
 
 
 def _defaults_without_validation() -> DistillationPlan:

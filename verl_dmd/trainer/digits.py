@@ -75,12 +75,12 @@ def regression_pairs(plan, group, labels: torch.Tensor, null_class: int, log: Ca
                 f"config key 'data.regression_pairs_path' = {str(path)!r}: not a readable safetensors file "
                 f"({err}); fix: delete it to regenerate, or point the key at a digits pairs file"
             ) from None
-        for key, want in expected.items():
-            if key in metadata and metadata[key] != want:
+        for key, want in expected.items():  # the pairs' identity: what made them, not where they lie
+            if metadata.get(key) != want:
+                made = f"was made with {key} = {metadata[key]!r}" if key in metadata else f"records no {key}"
                 raise ValueError(
-                    f"config key 'data.regression_pairs_path' = {str(path)!r} was made with {key} = "
-                    f"{metadata[key]!r}, this run has {want!r}; fix: delete the file to regenerate it, or use "
-                    "another path"
+                    f"config key 'data.regression_pairs_path' = {str(path)!r} {made}, this run has {want!r}; "
+                    "fix: delete the file to regenerate it, or use another path"
                 )
         pairs = check_pairs(pairs, repr(str(path)))
         log(f"regression pairs: {path} ({pairs['noise'].shape[0]} pairs)")

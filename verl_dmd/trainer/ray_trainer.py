@@ -136,7 +136,7 @@ class Checkpoints:
             raise TrainerError(f"{loaded['path']}: {err}") from None
         self.newest = SavedCheckpoint(controller.phase_index, loaded["global_step"], loaded["path"])
         note = ""
-        if loaded["saved_world_size"] != self.plan.resources.world_size:
+        if loaded["saved_world_size"] != self.group.world_size:  # the ranks that run (one with --local)
             note = f" (saved by {loaded['saved_world_size']} worker(s): random streams re-seeded)"
         self.log(f"resumed from {loaded['path']} at global step {loaded['global_step']}{note}")
 
@@ -372,8 +372,9 @@ class DistillationRayTrainer:
         """The workers, the data provider, the controller and the checkpoints, resumed if there is one."""
         plan = self.plan
         self.output_dir.mkdir(parents=True, exist_ok=True)
+        workers = 1 if self.backend == "local" else plan.resources.world_size
         self.log(
-            f"verl-dmd: {plan.model.adapter} / {plan.data.name}, {plan.resources.world_size} worker(s) "
+            f"verl-dmd: {plan.model.adapter} / {plan.data.name}, {workers} worker(s) "
             f"({self.backend}), {plan.trainer.total_steps} student steps, outputs in {self.output_dir}"
         )
         self.group = self._start_group()

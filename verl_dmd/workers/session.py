@@ -53,11 +53,13 @@ class RankSession:
     """
 
     def __init__(self, plan, *, rank: int, world_size: int, device: torch.device | str = "cpu") -> None:
+        from verl_dmd import seeding
         from verl_dmd.adapters import get_adapter
         from verl_dmd.runtime.engine import RoleEngine
         from verl_dmd.runtime.offload import StateOffloader
         from verl_dmd.runtime.runtime import DistillationRoleRuntime
 
+        seeding.seed_host_generators(plan.trainer.seed, rank)
         self.plan = plan
         self.rank, self.world_size = rank, world_size
         self.adapter = get_adapter(plan.model.adapter)()

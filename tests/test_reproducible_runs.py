@@ -1,0 +1,66 @@
+"""Two identical runs write identical checkpoints, every file byte for byte; a run moved to another
+output directory resumes (its teacher pairs are identified by what made them, not by their path) and
+ends with the checkpoint the uninterrupted run wrote, byte for byte. One rank, no ray (`--local`); the
+2-worker ray case is in tests/test_ray_trainer.py."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+FIXTURE = Path(__file__).resolve().parent / "fixtures" / "legacy_checkpoint_1018912"
+TEACHER = (
+    "{"
+    + ",".join(f"{k}:{v}" for k, v in json.loads((FIXTURE / "teacher_config.json").read_text()).items())
+    + "}"
+)
+SMALL = [
+    "algorithm.fake_update_ratio=1", "algorithm.fake_warmup_steps=1", "batch.student.micro_batch_size=4",
+    "batch.fake_score.micro_batch_size=4", "validation.num_samples=10", "validation.roles=[student_ema]",
+    "validation.sampling_steps=[1]", "checkpoint.save_every=2", f"model.teacher.config={TEACHER}",
+    "model.teacher.path=null",
+]  # fmt: skip
+
+
+def local_run(out: Path, steps: int) -> subprocess.CompletedProcess:
+    result = subprocess.run(
+        [sys.executable, "-m", "verl_dmd.main", "--local", *SMALL, f"trainer.total_steps={steps}",
+         f"trainer.output_dir={out}"],
+        capture_output=True, text=True, timeout=600, cwd=out.parent,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def files_of(checkpoint: Path) -> dict[str, bytes]:
+    return {
+        p.relative_to(checkpoint).as_posix(): p.read_bytes() for p in checkpoint.rglob("*") if p.is_file()
+    }
+
+
+def test_identical_runs_write_identical_checkpoints_and_a_moved_run_resumes_bit_for_bit(tmp_path):
+    first, second = tmp_path / "first", tmp_path / "second"
+    local_run(first, 4)
+    local_run(second, 4)
+    for step in (2, 4):
+        a, b = (files_of(run / "checkpoints" / f"global_step_{step}") for run in (first, second))
+        assert sorted(a) == sorted(b)
+        assert [name for name in a if a[name] != b[name]] == [], step  # every file, byte for byte
+
+    interrupted, moved = tmp_path / "interrupted", tmp_path / "moved"
+    local_run(interrupted, 2)
+    shutil.move(interrupted, moved)  # the whole run, pairs and checkpoints, somewhere else
+    result = local_run(moved, 4)
+    assert f"resumed from {moved / 'checkpoints' / 'global_step_2'}" in result.stdout
+    assert (
+        "regression pairs: " in result.stdout and "teacher samples" not in result.stdout
+    )  # read, not remade
+    a, b = (files_of(run / "checkpoints" / "global_step_4") for run in (first, moved))
+    assert sorted(a) == sorted(b)
+    assert [name for name in a if a[name] != b[name]] == []
