@@ -171,3 +171,19 @@ def test_a_planted_pickle_payload_never_runs_on_export(saved, tmp_path):
             read_role_tensors(copy / "engine", RoleTensors(prefix="", adapter=None, model_name=""))
         assert not marker.exists(), relative
         assert str(copy / relative) in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_a_named_older_checkpoint_sets_the_newer_ones_aside_however_its_path_is_spelt(saved, tmp_path):
+    """Resuming from an explicit older step starts a new timeline in this run's root, also when the path is
+    written another way than the root (here through ``..``): the newer step is set aside, so the run can save
+    that step again."""
+    root, digests = saved
+    copy = tmp_path / "spelt"
+    shutil.copytree(root, copy)
+    older, newer = published(copy)
+    spelt = copy / ".." / copy.name / older.name
+    results = run_ranks(load_each, 2, tmp_path / "ranks", "shared_base_adapters", [str(copy)],
+                        {"checkpoint.resume": str(spelt)})  # fmt: skip
+    (got,) = results[0]
+    assert got["error"] is None and got["digest"] == digests[older.name], got
+    assert not newer.exists() and any(p.name.startswith(f".set-aside-{newer.name}") for p in copy.iterdir())

@@ -209,3 +209,24 @@ def test_manifest_step_must_match_the_directory(tmp_path):
     path.rename(tmp_path / "global_step_4")
     with pytest.raises(CheckpointError, match="does not match the directory name"):
         store.verify(tmp_path / "global_step_4")
+
+
+@pytest.mark.parametrize(
+    "files",
+    [[], {"../outside": {"size": 1, "sha256": "0" * 64}}, {"/etc/passwd": {"size": 1, "sha256": "0" * 64}},
+     {"rng/rank_0.pt": {"sha256": "0" * 64}}, {"rng/rank_0.pt": "big"}],
+    ids=["not-a-mapping", "dot-dot", "absolute", "no-size", "not-an-entry"],
+)  # fmt: skip
+def test_a_manifest_whose_file_list_is_malformed_is_refused_in_one_line(tmp_path, files):
+    """Even with a matching checksum (someone who rewrites the manifest): no file outside the checkpoint is
+    read and the error is a CheckpointError, not a KeyError from deep inside."""
+    from verl_dmd.checkpoint.store import _manifest_digest
+
+    path = save(CheckpointStore(tmp_path / "ckpt"), 3)
+    manifest = json.loads((path / MANIFEST).read_text())
+    manifest["files"] = files
+    manifest["manifest_sha256"] = _manifest_digest(manifest)
+    (path / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=r"malformed|not a mapping") as caught:
+        CheckpointStore.verify(path)
+    assert "\n" not in str(caught.value)

@@ -202,3 +202,21 @@ def test_the_dump_comes_before_the_deadline_also_for_short_timeouts():
     assert status.dump_delay(1800.0) == 1798.0
     assert abs(status.dump_delay(1.0) - 0.9) < 1e-9
     assert all(0 < status.dump_delay(t) < t for t in (0.01, 0.5, 5.0, 60.0))
+
+
+def test_a_huge_timeout_still_runs_the_operation(tmp_path):
+    """faulthandler cannot schedule past time_t (1e10 s): the dump is capped, the operation runs."""
+    rank_status = status.RankStatus(status.status_file(status.status_dir(tmp_path), 0), rank=0, timeout=1e10)
+    with rank_status.watch("sleep"):
+        ran = True
+    assert ran and status.read_report(status.status_dir(tmp_path), 0).operation == "sleep"
+
+
+def test_a_save_stuck_in_dcp_file_io_stopped_on_its_own():
+    """DCP's file writing lives under torch/distributed/checkpoint but is no collective."""
+    torch_dir = "/venv/torch"
+    stuck = (status.Frame(f"{torch_dir}/distributed/checkpoint/filesystem.py", 400, "_write_files_from_queue"),
+             status.Frame("/src/verl_dmd/checkpoint/engine_state.py", 110, "save_engine"))  # fmt: skip
+    waiting = (status.Frame(f"{torch_dir}/distributed/distributed_c10d.py", 3000, "all_gather_object"),
+               status.Frame(f"{torch_dir}/distributed/checkpoint/utils.py", 280, "all_gather"))  # fmt: skip
+    assert not status.in_collective(stuck, torch_dir) and status.in_collective(waiting, torch_dir)

@@ -217,7 +217,11 @@ def _load_verified(checkpoint: Checkpoint, engine, plan) -> tuple[dict[str, Any]
     verify = plan.checkpoint.verify_hashes
 
     def sha(relative: str) -> str | None:
-        return files[relative]["sha256"] if verify and relative in files else None
+        if not verify:
+            return None
+        if relative not in files:
+            raise CheckpointError(f"{checkpoint.path / relative}: not listed in the manifest (refused)")
+        return files[relative]["sha256"]
 
     engine_prefix = f"{ENGINE_DIR}/"
     expected = (
@@ -321,7 +325,7 @@ def load_checkpoint(store: CheckpointStore, engine, plan) -> LoadedCheckpoint | 
             if rank == 0:
                 warnings.warn(f"skipping damaged checkpoint {checkpoint.path.name}: {err}", stacklevel=2)
             continue
-        if rank == 0 and checkpoint.path.parent == store.root:
+        if rank == 0:  # (only this run's root is touched, whichever root the checkpoint came from)
             # A new timeline starts here: later (abandoned or damaged) checkpoints are set aside.
             store.set_aside_newer_than(checkpoint.global_step)
             store.apply_retention(keep_last=plan.checkpoint.keep_last, keep_every=plan.checkpoint.keep_every)

@@ -100,6 +100,7 @@ def read_role_tensors(
     `expected` (file name in the DCP directory -> SHA-256) as it is read; CheckpointError names a
     damaged one."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from verl_dmd.checkpoint.safe_io import VerifiedReader
@@ -123,7 +124,11 @@ def read_role_tensors(
         )
     with warnings.catch_warnings():  # one process on purpose, whatever the world size that saved it
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(template, storage_reader=reader, no_dist=True)
+        try:
+            dcp.load(template, storage_reader=reader, no_dist=True)
+        except CheckpointException as err:  # DCP's own error derives from BaseException
+            failures = "; ".join(f"{type(e).__name__}: {e}" for e, _ in err.failures.values())
+            raise CheckpointError(f"{engine_dir}: does not load ({failures.splitlines()[0]})") from None
     if reader.damaged:
         raise CheckpointError("; ".join(reader.damaged))
     return {canonical_name(key[len(prefix) :]): tensor for key, tensor in template.items()}

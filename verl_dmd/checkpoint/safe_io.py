@@ -121,6 +121,8 @@ def read_verified(path: Path, sha256: str | None) -> bytes:
     digest = hashlib.sha256()
     chunks = []
     try:
+        if not path.is_file():
+            raise CheckpointError(f"{path}: missing or not a regular file")
         with path.open("rb") as handle:
             for block in iter(lambda: handle.read(BLOCK), b""):
                 digest.update(block)
@@ -172,7 +174,11 @@ class VerifiedReader(FileSystemReader):
         self.damaged: list[str] = []
         self.verified: set[str] = set()
         metadata_path = self.directory / METADATA_FILE
-        if not metadata_path.is_file():
+        try:
+            present = metadata_path.is_file()
+        except OSError as err:
+            raise CheckpointError(f"{metadata_path}: unreadable ({err.strerror or err})") from None
+        if not present:
             raise CheckpointError(f"{metadata_path}: missing (not a DCP checkpoint directory)")
         data = read_verified(metadata_path, self._expected(METADATA_FILE))
         self.verified.add(METADATA_FILE)
@@ -228,6 +234,8 @@ class VerifiedReader(FileSystemReader):
                 )
             by_offset.setdefault((int(info.offset), int(info.length)), []).append(item)
         try:
+            if not path.is_file():  # a FIFO or device named by the metadata would block or never end
+                raise CheckpointError(f"{path}: named by the metadata, not a regular file")
             with path.open("rb") as handle:
                 size = os.fstat(handle.fileno()).st_size
                 mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) if size else b""

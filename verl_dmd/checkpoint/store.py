@@ -280,6 +280,7 @@ class CheckpointStore:
                 f"{manifest_path}: format_version {manifest['format_version']!r}, this verl_dmd reads "
                 f"{FORMAT_VERSION}; fix: resume with the verl_dmd version that wrote it"
             )
+        _check_files(manifest_path, manifest["files"])
         match = _NAME.match(path.name)
         if match and int(match.group(1)) != manifest["global_step"]:
             raise CheckpointError(
@@ -350,6 +351,19 @@ class CheckpointStore:
                 f"root holding global_step_<N> checkpoints; {allowed}"
             )
         return found
+
+
+def _check_files(manifest_path: Path, files: Any) -> None:
+    """The manifest's file list has the form publish() writes: relative paths inside the checkpoint (no
+    ``..``, not absolute), each with an integer size and a hex SHA-256."""
+    if not isinstance(files, dict) or not files:
+        raise CheckpointError(f"{manifest_path}: its file list is not a mapping of files (damaged)")
+    for relative, entry in files.items():
+        parts = Path(str(relative)).parts
+        if (not isinstance(relative, str) or not parts or Path(relative).is_absolute() or ".." in parts
+                or not isinstance(entry, dict) or not isinstance(entry.get("size"), int)
+                or not isinstance(entry.get("sha256"), str)):  # fmt: skip
+            raise CheckpointError(f"{manifest_path}: file entry {relative!r} is malformed (refused)")
 
 
 @dataclass(frozen=True)

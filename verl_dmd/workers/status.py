@@ -50,6 +50,8 @@ DUMP_LEAD_S = 2.0
 """A rank dumps its stacks this long before the deadline (at most 10% of the timeout for short ones),
 so the dump exists when the driver's deadline passes even if the call reached the rank a little late."""
 POLL_S = 0.05
+MAX_DUMP_DELAY_S = 365 * 24 * 3600.0
+"""The latest a stack dump is scheduled (faulthandler cannot schedule past time_t)."""
 
 State = Literal["stopped", "waiting", "late", "idle", "unknown"]
 
@@ -122,8 +124,11 @@ class RankStatus:
         calling ``super()``) belong to the outermost one."""
         self._depth += 1
         if self._depth == 1:
-            with contextlib.suppress(OSError):  # a full disk must not fail the operation itself
+            try:  # neither a full disk nor a timeout faulthandler cannot schedule may fail the operation
                 self._begin(operation, describe_request(operation, args, kwargs or {}))
+            except (OSError, OverflowError, ValueError) as err:
+                print(f"verl_dmd rank {self.rank}: no stack dump armed for {operation} ({err})",
+                      file=sys.stderr, flush=True)  # fmt: skip
         try:
             yield
         finally:
@@ -151,7 +156,11 @@ class RankStatus:
         os.ftruncate(self._fd, 0)
         os.lseek(self._fd, 0, os.SEEK_SET)
         os.write(self._fd, ("\n".join(header) + "\n").encode())
-        faulthandler.dump_traceback_later(delay, repeat=False, file=self._fd, exit=False)
+        # faulthandler's deadline is a time_t: a huge rpc_timeout_s (1e10, "never") cannot be scheduled; no
+        # driver waits that long, so a dump after a year is as good as none.
+        faulthandler.dump_traceback_later(
+            min(delay, MAX_DUMP_DELAY_S), repeat=False, file=self._fd, exit=False
+        )
 
     def _end(self) -> None:
         faulthandler.cancel_dump_traceback_later()
@@ -196,6 +205,8 @@ def in_collective(frames: tuple[Frame, ...], torch_dir: str = "") -> bool:
     for frame in frames:
         if not _in_torch(frame, torch_dir=torch_dir):
             return False
+        if _in_torch(frame, "distributed/checkpoint/", torch_dir):
+            return False  # DCP's file I/O (a save stuck on storage) is no collective
         if _in_torch(frame, "distributed/", torch_dir):
             return True
     return False
