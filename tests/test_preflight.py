@@ -607,3 +607,16 @@ def test_the_builtin_model_table_is_the_adapters():
         adapter = get_adapter(name)
         assert adapter.model_class.__name__ == class_name, name
         assert tuple(adapter.default_lora_targets) == BUILTIN_LORA_TARGETS, name
+
+
+def test_the_early_name_check_declares_what_the_registries_do():
+    """The torch-free copy of the registries' declarations is theirs."""
+    from verl_dmd.adapters.registry import ADAPTERS
+    from verl_dmd.algorithms.registry import METHODS
+    from verl_dmd.preflight import BUILTIN_MODEL_CLASSES, REGISTRY_DECLARATIONS
+    from verl_dmd.trainer.registry import DATA_PROVIDERS, VALIDATORS
+
+    for registry in (ADAPTERS, METHODS, DATA_PROVIDERS, VALIDATORS):
+        kind, group, builtins = REGISTRY_DECLARATIONS[registry.key]
+        assert (kind, group, builtins) == (registry.kind, registry.entry_point_group, registry.builtin_names)
+    assert REGISTRY_DECLARATIONS["model.adapter"][2] == tuple(BUILTIN_MODEL_CLASSES)

@@ -42,6 +42,7 @@ def preflight(plan: DistillationPlan, *, backend: str) -> None:
     check_output_paths(plan)
     check_resources(plan, backend=backend)
     check_resume_path(plan)
+    check_names_early(plan)  # no torch: a misspelt name is refused in a second
     from_headers = check_models_from_headers(plan)  # no torch, no diffusers: before the imports below
     check_registered(plan)
     check_resume(plan)
@@ -243,6 +244,36 @@ def check_resume(plan: DistillationPlan) -> None:
 
 
 # --------------------------------------------------------------------------- registries and data
+
+
+# The registries' declarations (kind, entry-point group, built-in names), known without importing their
+# modules, which import torch (a test keeps them equal to the registries').
+REGISTRY_DECLARATIONS = {
+    "model.adapter": ("model adapter", "verl_dmd.adapters", ("dit", "flux", "qwen_image", "sd3", "wan")),
+    "algorithm.name": ("distillation method", "verl_dmd.algorithms", ("dmd2",)),
+    "data.name": ("data provider", "verl_dmd.data_providers", ("digits", "embeddings")),
+    "validation.name": ("validator", "verl_dmd.validators", ("digits",)),
+}
+
+
+def check_names_early(plan: DistillationPlan) -> None:
+    """A name that is no built-in one is unknown when no installed package extends its registry: refused
+    here without importing torch, with the registries' own message. With plugins installed, or for a built-in
+    name, `check_registered` decides."""
+    import importlib.metadata
+
+    from verl_dmd.registry import Registry, UnknownNameError
+
+    chosen = {"model.adapter": plan.model.adapter, "algorithm.name": plan.algorithm.name,
+              "data.name": plan.data.name, "validation.name": plan.validation.name}  # fmt: skip
+    for key, (kind, group, builtins) in REGISTRY_DECLARATIONS.items():
+        name = chosen[key]
+        if not name or name in builtins or importlib.metadata.entry_points(group=group):
+            continue
+        try:
+            Registry(kind, key=key, entry_point_group=group, builtin_names=builtins).check_name(name)
+        except UnknownNameError as err:
+            raise PlanError(str(err)) from None
 
 
 def check_registered(plan: DistillationPlan) -> None:
