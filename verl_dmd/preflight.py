@@ -19,6 +19,7 @@ import json
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
 
 from verl_dmd.plan import DistillationPlan, PlanError
@@ -256,6 +257,14 @@ REGISTRY_DECLARATIONS = {
 }
 
 
+REGISTRY_MODULES = {
+    "model.adapter": "verl_dmd.adapters.registry",
+    "algorithm.name": "verl_dmd.algorithms.registry",
+    "data.name": "verl_dmd.trainer.registry",
+    "validation.name": "verl_dmd.trainer.registry",
+}
+
+
 def check_names_early(plan: DistillationPlan) -> None:
     """A name that is no built-in one is unknown when no installed package extends its registry: refused
     here without importing torch, with the registries' own message. With plugins installed, or for a built-in
@@ -269,6 +278,8 @@ def check_names_early(plan: DistillationPlan) -> None:
     for key, (kind, group, builtins) in REGISTRY_DECLARATIONS.items():
         name = chosen[key]
         if not name or name in builtins or importlib.metadata.entry_points(group=group):
+            continue
+        if REGISTRY_MODULES[key] in sys.modules:  # imported already: it may hold in-process registrations
             continue
         try:
             Registry(kind, key=key, entry_point_group=group, builtin_names=builtins).check_name(name)
