@@ -331,6 +331,16 @@ def test_too_little_free_space_for_a_checkpoint_is_refused(tmp_path, capsys):
     assert "1073741824.00 GiB (as global_step_3)" in line
 
 
+def test_without_a_checkpoint_the_free_space_is_checked_against_an_estimate(tmp_path, capsys, monkeypatch):
+    """A fresh run: the size of one checkpoint is estimated from the models' weight headers (the digits
+    teacher in the independent layout: student and fake score trained in full, with AdamW and the EMA)."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(preflight.shutil, "disk_usage", lambda path: SimpleNamespace(free=1 << 20))
+    line = refused(capsys, out(tmp_path))
+    assert "free on its file system" in line and "(estimated from the models)" in line and "0.01 GiB" in line
+
+
 def test_the_roots_are_the_checkpoint_layers():
     from verl_dmd.checkpoint.composite import checkpoint_root
     from verl_dmd.checkpoint.export import export_root

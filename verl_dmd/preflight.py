@@ -144,18 +144,20 @@ def check_pairs_path(value: str) -> None:
     check_directory(key, value, path.parent)
 
 
-def check_free_space(root: Path) -> None:
+def check_free_space(root: Path, estimate: int | None = None) -> None:
     """The file system of the checkpoint root has room for a checkpoint as large as the newest one there
-    (its manifest lists every file's size); nothing to compare when there is none yet."""
+    (its manifest lists every file's size) or, with none yet, as `estimate` (bytes; None: not known)."""
     newest = _newest_manifest(root.expanduser())
-    if newest is None:
+    if newest is None and estimate is None:
         return
-    manifest, size = newest
+    size, source = (
+        (newest[1], f"as {newest[0].parent.name}") if newest else (estimate, "estimated from the models")
+    )
     free = shutil.disk_usage(_first_existing(root.expanduser())).free
     if free < size:
         raise PlanError(
             f"checkpoint root {root}: {_gib(free)} free on its file system, and a checkpoint of this run takes "
-            f"about {_gib(size)} (as {manifest.parent.name}); fix: free space there, lower checkpoint.keep_last, "
+            f"about {_gib(size)} ({source}); fix: free space there, lower checkpoint.keep_last, "
             "or set checkpoint.root to a larger file system"
         )
 
@@ -517,7 +519,29 @@ def check_models_from_headers(plan: DistillationPlan) -> bool:
         owner = role if plan.model.storage == "independent" and role in layers else "teacher"
         if spec.lora.enabled and owner in layers:
             check_lora_names(f"model.{role}.lora", spec.lora.target_modules, layers[owner], owner)
+    if "teacher" in layers:
+        check_free_space(checkpoint_root(plan), estimate_checkpoint_bytes(plan, layers))
     return True
+
+
+def estimate_checkpoint_bytes(plan: DistillationPlan, layers: dict[str, dict[str, list[int]]]) -> int:
+    """About what one checkpoint of this plan takes: float32 weights and two AdamW moments of what the student
+    and the fake score train (their LoRA factors on the 2-D layers they target, or all weights), and the EMA's
+    copy of the student's; the frozen base is not saved. Biases and the GAN head are left out (small)."""
+    import math
+
+    trained = {}
+    for role in LORA_ROLES:
+        spec = getattr(plan.model, role)
+        shapes = layers.get(role if plan.model.storage == "independent" else "teacher", layers["teacher"])
+        if spec.lora.enabled:
+            targets = spec.lora.target_modules or BUILTIN_LORA_TARGETS
+            trained[role] = sum(spec.lora.rank * (shape[0] + shape[1]) for name, shape in shapes.items()
+                                if len(shape) == 2 and any(peft_matches(t, name) for t in targets))  # fmt: skip
+        else:
+            trained[role] = sum(math.prod(shape) for shape in shapes.values())
+    ema = trained["student"] if plan.ema.enabled else 0
+    return 4 * (3 * (trained["student"] + trained["fake_score"]) + ema)
 
 
 def _model_folder(spec) -> str:
