@@ -385,14 +385,16 @@ def two_checkpoints(rank: int, world_size: int, layout: str, root: str) -> dict:
     return digests
 
 
-def load_each(rank: int, world_size: int, layout: str, roots: list[str], overrides: dict) -> list[dict]:
-    """Resume from each root in turn (one stack, loaded over and over): the step, state digest, warnings
-    and error of each."""
+def load_each(rank: int, world_size: int, layout: str, cases: list[tuple[str, dict]]) -> list[dict]:
+    """Resume from each (root, plan overrides) in turn (a stack per overrides, loaded over and over): the
+    step, state digest, warnings and error of each."""
     import warnings
 
-    stack = Stack(rank, world_size, layout, **overrides)
+    stacks: dict[str, Stack] = {}
     out = []
-    for root in roots:
+    for root, overrides in cases:
+        key = repr(sorted(overrides.items()))
+        stack = stacks.setdefault(key, Stack(rank, world_size, layout, **overrides))
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             try:
