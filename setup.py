@@ -23,6 +23,10 @@ INSTALL_REQUIRES = [
     "safetensors>=0.4",
     "numpy>=1.26",
     "scikit-learn>=1.4",  # the embedded digits data set
+    # verl-dmd-prepare: the pipelines' text encoders and tokenizers, parquet prompt files, images.
+    "transformers>=5,<6",
+    "pyarrow>=15",
+    "pillow>=10",
     # verl 0.9.1 imports these without declaring them (see ../shared/TRAPS.md).
     "cachetools>=5",
     "uvicorn>=0.20",
@@ -57,7 +61,11 @@ setup(
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS_REQUIRE,
     entry_points={
-        "console_scripts": ["verl-dmd = verl_dmd.main:cli", "verl-dmd-export = verl_dmd.export_main:cli"],
+        "console_scripts": [
+            "verl-dmd = verl_dmd.main:cli",
+            "verl-dmd-export = verl_dmd.export_main:cli",
+            "verl-dmd-prepare = verl_dmd.prepare_main:cli",
+        ],
         # Third-party extensions register in these groups; see docs/architecture.md ("Extending verl_dmd").
         "verl_dmd.adapters": [],
         "verl_dmd.algorithms": [],

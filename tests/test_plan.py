@@ -300,6 +300,18 @@ INVALID = [
 
 INVALID.append(({"data.name": "digits", "validation.num_samples": 8}, "validation.num_samples"))
 INVALID.append(({"model.compile": True, "model.compile_backend": "nope"}, "model.compile_backend"))
+INVALID += [
+    ({"prepare.resolution": [1024]}, "prepare.resolution"),
+    ({"prepare.resolution": [0, 512]}, "prepare.resolution[0]"),
+    ({"prepare.num_frames": 0}, "prepare.num_frames"),
+    ({"prepare.batch_size": 0}, "prepare.batch_size"),
+    ({"prepare.batch_size": 16, "prepare.shard_size": 100}, "prepare.shard_size"),
+    ({"prepare.dtype": "fp8"}, "prepare.dtype"),
+    ({"prepare.guidance_embedding": -1.0}, "prepare.guidance_embedding"),
+    ({"prepare.prompt_field": ""}, "prepare.prompt_field"),
+    ({"prepare.image_transform": "pad"}, "prepare.image_transform"),
+    ({"validation.teacher_steps": 0}, "validation.teacher_steps"),
+]
 
 
 @pytest.mark.parametrize(("overrides", "key"), INVALID, ids=[key for _, key in INVALID])
@@ -448,6 +460,23 @@ ALTERNATIVES = {
     "validation.num_samples": 16,
     "validation.sampling_steps": [1, 2, 4],
     "validation.roles": ["teacher"],
+    "validation.teacher_steps": 50,
+    "prepare.prompts": "/data/prompts.txt",
+    "prepare.prompt_field": "caption",
+    "prepare.validation_prompts": "/data/val.txt",
+    "prepare.negative_prompt": "blurry",
+    "prepare.resolution": [1024, 1024],
+    "prepare.num_frames": 81,
+    "prepare.max_sequence_length": 128,
+    "prepare.guidance_embedding": 3.5,
+    "prepare.dtype": "float32",
+    "prepare.device": "cpu",
+    "prepare.batch_size": 8,
+    "prepare.shard_size": 2048,
+    "prepare.real_images": "/data/images",
+    "prepare.image_transform": "resize",
+    "prepare.teacher_pairs": True,
+    "prepare.pair_steps": 50,
     "export.role": "student",
     "export.formats": ["diffusers"],
     "export.output_dir": "/export",

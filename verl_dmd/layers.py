@@ -23,6 +23,7 @@ LAYERS: dict[str, int] = {
     "verl_dmd.losses": 1,
     "verl_dmd.assets": 1,
     "verl_dmd.config_docs": 1,
+    "verl_dmd.digests": 1,
     # 2. two independent axes (model families, methods), and data sets
     "verl_dmd.adapters": 2,
     "verl_dmd.algorithms": 2,
@@ -41,6 +42,10 @@ LAYERS: dict[str, int] = {
     "verl_dmd.command_line": 7,
     "verl_dmd.main": 7,
     "verl_dmd.export_main": 7,
+    "verl_dmd.prepare": 7,
+    "verl_dmd.prepare_main": 7,
+    # tiny real pipelines built offline (tests, smoke runs, benchmarks): above everything it may be used with
+    "verl_dmd.testing": 7,
 }
 
 NAMES = {1: "ground floor", 2: "models, methods, data", 3: "evaluation", 4: "role runtime", 5: "checkpoint",

@@ -99,7 +99,8 @@ def check_output_paths(plan: DistillationPlan) -> None:
     check_directory("checkpoint.root", plan.checkpoint.root, root)
     if plan.export.at_end:
         check_directory("export.output_dir", plan.export.output_dir, export_root(plan))
-    if plan.algorithm.regression_weight > 0:
+    # The embeddings provider reads its pairs from the prepared data set at data.path instead.
+    if plan.algorithm.regression_weight > 0 and plan.data.regression_pairs_path is not None:
         check_pairs_path(plan.data.regression_pairs_path)
     check_free_space(root)
 
@@ -255,7 +256,7 @@ REGISTRY_DECLARATIONS = {
     "model.adapter": ("model adapter", "verl_dmd.adapters", ("dit", "flux", "qwen_image", "sd3", "wan")),
     "algorithm.name": ("distillation method", "verl_dmd.algorithms", ("dmd2",)),
     "data.name": ("data provider", "verl_dmd.data_providers", ("digits", "embeddings")),
-    "validation.name": ("validator", "verl_dmd.validators", ("digits",)),
+    "validation.name": ("validator", "verl_dmd.validators", ("digits", "pipeline")),
 }
 
 

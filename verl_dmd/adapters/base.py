@@ -172,6 +172,51 @@ class DistributionMatchingModelAdapter:
             )
         return prediction, captured[0]
 
+    # ------------------------------------------------------------------ the family's diffusers pipeline
+    # verl-dmd-prepare and the decoded validation use these; a family without pipeline support keeps the
+    # defaults (empty `pipeline_classes`) and both refuse it with one line.
+
+    pipeline_classes: ClassVar[tuple[str, ...]] = ()
+    """The diffusers pipeline classes (``_class_name`` of model_index.json) a pipeline directory of this family
+    may hold; empty: no pipeline support."""
+    text_encoders: ClassVar[tuple[str, ...]] = ()
+    """The pipeline components `encode_prompts` runs (text encoders; their tokenizers come along)."""
+    ragged_cond: ClassVar[Mapping[str, str]] = {}
+    """Conditioning entries of variable length (padded per batch) -> the mask entry that marks real tokens."""
+
+    def encode_prompts(
+        self, pipe: Any, prompts: list[str], *, max_sequence_length: int
+    ) -> dict[str, torch.Tensor]:
+        """`cond` entries of `prompts` through the pipeline's own ``encode_prompt`` at its serving settings."""
+        raise NotImplementedError(f"model adapter {self.name!r} does not encode prompts")
+
+    def constant_cond(
+        self, transformer_config: Mapping[str, Any], guidance: float | None
+    ) -> dict[str, float]:
+        """Per-sample conditioning that is the same for every prompt (Flux-dev's guidance embedding)."""
+        return {}
+
+    def latent_shape(
+        self,
+        vae_config: Mapping[str, Any],
+        transformer_config: Mapping[str, Any],
+        height: int,
+        width: int,
+        num_frames: int | None,
+    ) -> tuple[int, ...]:
+        """The shape of one latent as `predict` takes it, for an image (video) of that size; ValueError naming
+        `prepare.resolution` (or `prepare.num_frames`) when the pipeline cannot make that size."""
+        raise NotImplementedError(f"model adapter {self.name!r} has no latent layout")
+
+    def encode_images(self, vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+        """Latents (as `predict` takes them) of pixels in [-1, 1], (B, 3, H, W) or (B, 3, F, H, W) for video:
+        the VAE's mean, normalised as the pipeline normalises."""
+        raise NotImplementedError(f"model adapter {self.name!r} has no VAE encoding")
+
+    def decode_latents(self, vae: nn.Module, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        """Pixels in [-1, 1] of latents, as the pipeline decodes them: (B, 3, H, W), or (B, 3, F, H, W)."""
+        raise NotImplementedError(f"model adapter {self.name!r} has no VAE decoding")
+
     def fsdp_units(self, model: nn.Module) -> Sequence[nn.Module]:
         """The submodules sharded as their own FSDP2 units (usually the transformer blocks)."""
         raise NotImplementedError

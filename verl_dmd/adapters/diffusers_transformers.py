@@ -29,6 +29,47 @@ def _randn(shape: Sequence[int], generator: torch.Generator) -> torch.Tensor:
     return torch.randn(*shape, generator=generator)
 
 
+def _check_size(family: str, height: int, width: int, factor: int, *, square: bool = False) -> None:
+    """One line naming prepare.resolution when the pipeline of `family` cannot make an image of that size."""
+    shown = f"[{height}, {width}]"
+    for value in (height, width):
+        if value < factor or value % factor:
+            near = max(factor, round(value / factor) * factor)
+            raise ValueError(f"config key 'prepare.resolution' = {shown}: the {family} pipeline makes heights and "
+                             f"widths divisible by {factor} (VAE factor x patch size); fix: e.g. {near} instead of {value}")  # fmt: skip
+    if square and height != width:
+        raise ValueError(f"config key 'prepare.resolution' = {shown}: the {family} adapter reads its packed latent "
+                         "tokens as a square grid; fix: a square resolution, e.g. "
+                         f"[{max(height, width)}, {max(height, width)}]")  # fmt: skip
+
+
+def _no_frames(family: str, num_frames: int | None) -> None:
+    if num_frames is not None:
+        raise ValueError(f"config key 'prepare.num_frames' = {num_frames}: {family} makes images; fix: "
+                         "prepare.num_frames=null")  # fmt: skip
+
+
+def _kl_scale_factor(vae_config: Mapping) -> int:
+    """The spatial factor of an AutoencoderKL, as the SD3 and Flux pipelines compute it."""
+    return 2 ** (len(vae_config["block_out_channels"]) - 1)
+
+
+def _shift_scale(vae) -> tuple[float, float]:
+    return float(vae.config.shift_factor or 0.0), float(vae.config.scaling_factor)
+
+
+def _mean_std(vae, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-channel latent mean and std of a Wan / Qwen-Image VAE, shaped (1, z, 1, 1, 1) like `like`."""
+    shape = (1, vae.config.z_dim, 1, 1, 1)
+    mean = torch.tensor(vae.config.latents_mean).view(shape).to(like.device, like.dtype)
+    std = torch.tensor(vae.config.latents_std).view(shape).to(like.device, like.dtype)
+    return mean, std
+
+
+def _max_length(value: int) -> dict:
+    return {"max_sequence_length": int(value)}
+
+
 @register_adapter("sd3")
 class SD3Adapter(DistributionMatchingModelAdapter):
     """SD3 / SD3.5 MMDiT: latents (B, C, H, W); timestep = 1000 * sigma."""
@@ -60,6 +101,33 @@ class SD3Adapter(DistributionMatchingModelAdapter):
             "pooled_projections": _randn((batch_size, cfg.pooled_projection_dim), generator),
         }
         return x0, cond
+
+    # -- the pipeline: StableDiffusion3Pipeline (two CLIPs and T5; latents (x - shift) * scale)
+
+    pipeline_classes = ("StableDiffusion3Pipeline",)
+    text_encoders = ("text_encoder", "text_encoder_2", "text_encoder_3")
+
+    def encode_prompts(self, pipe, prompts, *, max_sequence_length):
+        # prompt_2 and prompt_3 default to `prompt`, as a request without them is served.
+        embeds, _, pooled, _ = pipe.encode_prompt(
+            prompt=prompts, prompt_2=None, prompt_3=None, do_classifier_free_guidance=False,
+            **_max_length(max_sequence_length),
+        )  # fmt: skip
+        return {"encoder_hidden_states": embeds, "pooled_projections": pooled}
+
+    def latent_shape(self, vae_config, transformer_config, height, width, num_frames):
+        _no_frames("sd3", num_frames)
+        factor = _kl_scale_factor(vae_config)
+        _check_size("sd3", height, width, factor * int(transformer_config.get("patch_size", 2)))
+        return (int(vae_config["latent_channels"]), height // factor, width // factor)
+
+    def encode_images(self, vae, pixels):
+        shift, scale = _shift_scale(vae)
+        return (vae.encode(pixels).latent_dist.mode() - shift) * scale
+
+    def decode_latents(self, vae, latents, height, width):
+        shift, scale = _shift_scale(vae)
+        return vae.decode(latents / scale + shift, return_dict=False)[0]
 
 
 @register_adapter("flux")
@@ -114,6 +182,46 @@ class FluxAdapter(DistributionMatchingModelAdapter):
         }
         return x0, cond
 
+    # -- the pipeline: FluxPipeline (CLIP pooled + T5; latents (x - shift) * scale, packed 2x2 into tokens)
+
+    pipeline_classes = ("FluxPipeline",)
+    text_encoders = ("text_encoder", "text_encoder_2")
+    DEFAULT_GUIDANCE = 3.5
+    """FluxPipeline's default guidance_scale: the guidance-embedding value a Flux-dev request gets."""
+
+    def encode_prompts(self, pipe, prompts, *, max_sequence_length):
+        embeds, pooled, _ = pipe.encode_prompt(
+            prompt=prompts, prompt_2=None, **_max_length(max_sequence_length)
+        )
+        return {"encoder_hidden_states": embeds, "pooled_projections": pooled}
+
+    def constant_cond(self, transformer_config, guidance):
+        if not transformer_config.get("guidance_embeds", False):
+            return {}
+        return {"guidance": float(self.DEFAULT_GUIDANCE if guidance is None else guidance)}
+
+    def latent_shape(self, vae_config, transformer_config, height, width, num_frames):
+        _no_frames("flux", num_frames)
+        factor = _kl_scale_factor(vae_config)
+        _check_size("flux", height, width, factor * 2, square=True)
+        return ((height // factor // 2) * (width // factor // 2), int(vae_config["latent_channels"]) * 4)
+
+    def encode_images(self, vae, pixels):
+        from diffusers import FluxPipeline
+
+        shift, scale = _shift_scale(vae)
+        latents = (vae.encode(pixels).latent_dist.mode() - shift) * scale
+        return FluxPipeline._pack_latents(latents, latents.shape[0], latents.shape[1], *latents.shape[2:])
+
+    def decode_latents(self, vae, latents, height, width):
+        from diffusers import FluxPipeline
+
+        shift, scale = _shift_scale(vae)
+        latents = FluxPipeline._unpack_latents(
+            latents, height, width, 2 ** (len(vae.config.block_out_channels) - 1)
+        )
+        return vae.decode(latents / scale + shift, return_dict=False)[0]
+
 
 @register_adapter("qwen_image")
 class QwenImageAdapter(DistributionMatchingModelAdapter):
@@ -156,6 +264,42 @@ class QwenImageAdapter(DistributionMatchingModelAdapter):
         cond = {"encoder_hidden_states": _randn((batch_size, 4, cfg.joint_attention_dim), generator)}
         return x0, cond
 
+    # -- the pipeline: QwenImagePipeline (Qwen2.5-VL with its template; latents normalised by the VAE's
+    # per-channel mean and std, packed 2x2 into tokens; text of variable length with a mask)
+
+    pipeline_classes = ("QwenImagePipeline",)
+    text_encoders = ("text_encoder",)
+    ragged_cond: ClassVar[dict[str, str]] = {"encoder_hidden_states": "encoder_hidden_states_mask"}
+
+    def encode_prompts(self, pipe, prompts, *, max_sequence_length):
+        embeds, mask = pipe.encode_prompt(prompt=prompts, **_max_length(max_sequence_length))
+        if mask is None:  # the pipeline drops a mask with no padding in it: every token is real
+            mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
+        return {"encoder_hidden_states": embeds, "encoder_hidden_states_mask": mask}
+
+    def latent_shape(self, vae_config, transformer_config, height, width, num_frames):
+        _no_frames("qwen_image", num_frames)
+        factor = 2 ** len(vae_config["temperal_downsample"])
+        _check_size("qwen_image", height, width, factor * 2, square=True)
+        return ((height // factor // 2) * (width // factor // 2), int(vae_config["z_dim"]) * 4)
+
+    def encode_images(self, vae, pixels):
+        from diffusers import QwenImagePipeline
+
+        latents = vae.encode(pixels[:, :, None]).latent_dist.mode()  # one frame: (B, z, 1, h, w)
+        mean, std = _mean_std(vae, latents)
+        latents = (latents - mean) / std
+        return QwenImagePipeline._pack_latents(
+            latents, latents.shape[0], latents.shape[1], *latents.shape[3:]
+        )
+
+    def decode_latents(self, vae, latents, height, width):
+        from diffusers import QwenImagePipeline
+
+        latents = QwenImagePipeline._unpack_latents(latents, height, width, 2 ** len(vae.temperal_downsample))
+        mean, std = _mean_std(vae, latents)
+        return vae.decode(latents * std + mean, return_dict=False)[0][:, :, 0]
+
 
 @register_adapter("wan")
 class WanAdapter(DistributionMatchingModelAdapter):
@@ -183,6 +327,40 @@ class WanAdapter(DistributionMatchingModelAdapter):
         x0 = _randn((batch_size, cfg.in_channels, 2, 8, 8), generator)
         cond = {"encoder_hidden_states": _randn((batch_size, 4, cfg.text_dim), generator)}
         return x0, cond
+
+    # -- the pipeline: WanPipeline (UMT5; video latents normalised by the VAE's per-channel mean and std)
+
+    pipeline_classes = ("WanPipeline",)
+    text_encoders = ("text_encoder",)
+
+    def encode_prompts(self, pipe, prompts, *, max_sequence_length):
+        embeds, _ = pipe.encode_prompt(
+            prompt=prompts, do_classifier_free_guidance=False, **_max_length(max_sequence_length)
+        )
+        return {"encoder_hidden_states": embeds}
+
+    def latent_shape(self, vae_config, transformer_config, height, width, num_frames):
+        temporal, spatial = int(vae_config["scale_factor_temporal"]), int(vae_config["scale_factor_spatial"])
+        if num_frames is None or num_frames < 1 or (num_frames - 1) % temporal:
+            raise ValueError(f"config key 'prepare.num_frames' = {num_frames}: the wan pipeline makes videos of "
+                             f"{temporal} x k + 1 frames; fix: e.g. prepare.num_frames=81")  # fmt: skip
+        patch = transformer_config.get("patch_size", (1, 2, 2))
+        _check_size("wan", height, width, spatial * int(patch[-1]))
+        return (
+            int(vae_config["z_dim"]),
+            (num_frames - 1) // temporal + 1,
+            height // spatial,
+            width // spatial,
+        )
+
+    def encode_images(self, vae, pixels):
+        latents = vae.encode(pixels).latent_dist.mode()
+        mean, std = _mean_std(vae, latents)
+        return (latents - mean) / std
+
+    def decode_latents(self, vae, latents, height, width):
+        mean, std = _mean_std(vae, latents)
+        return vae.decode(latents * std + mean, return_dict=False)[0]
 
 
 def set_label_dropout(model: nn.Module, probability: float) -> None:

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from verl_dmd.digests import file_sha256
+
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -57,15 +59,6 @@ class Checkpoint:
     @property
     def global_step(self) -> int:
         return int(self.manifest["global_step"])
-
-
-def file_sha256(path: Path) -> str:
-    """The SHA-256 hex digest of a file, read in 1 MB blocks."""
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _manifest_digest(manifest: Mapping[str, Any]) -> str:

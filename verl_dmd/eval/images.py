@@ -47,3 +47,41 @@ def save_grid(
     path.parent.mkdir(parents=True, exist_ok=True)
     picture.save(path)
     return path
+
+
+def tile(images: np.ndarray, columns: int, *, gap: int = 2, fill: int = 32) -> np.ndarray:
+    """One picture of RGB images (N, H, W, 3) uint8, `columns` per row, `gap` pixels of `fill` between them."""
+    if images.ndim != 4 or images.shape[-1] != 3 or images.dtype != np.uint8:
+        raise ValueError(
+            f"images of shape {images.shape} and dtype {images.dtype}: expected (N, H, W, 3) uint8"
+        )
+    n, h, w, _ = images.shape
+    columns = max(1, min(columns, n))
+    rows = -(-n // columns)
+    canvas = np.full((rows * (h + gap) + gap, columns * (w + gap) + gap, 3), fill, dtype=np.uint8)
+    for i in range(n):
+        r, c = divmod(i, columns)
+        top, left = gap + r * (h + gap), gap + c * (w + gap)
+        canvas[top : top + h, left : left + w] = images[i]
+    return canvas
+
+
+def save_png(path: str | Path, picture: np.ndarray) -> Path:
+    """Write an (H, W, 3) uint8 array as a PNG (parents made)."""
+    from PIL import Image
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(picture, mode="RGB").save(path)
+    return path
+
+
+def save_gif(path: str | Path, frames: list[np.ndarray], *, fps: float = 8.0) -> Path:
+    """An animated GIF of (H, W, 3) uint8 frames, looping (PIL's writer: nothing else to install)."""
+    from PIL import Image
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pictures = [Image.fromarray(f, mode="RGB") for f in frames]
+    pictures[0].save(path, save_all=True, append_images=pictures[1:], duration=round(1000 / fps), loop=0)
+    return path

@@ -84,6 +84,9 @@ RESUME_MUTABLE_KEYS: tuple[str, ...] = (
     "checkpoint",
     "validation",
     "export",
+    # How the data set at data.path is made: the data set itself is what training reads, and the trainer
+    # checks it against these keys before it starts.
+    "prepare",
     # Where the teacher pairs are kept, not what they are: the file records what made it (teacher
     # content hash, steps, seed, guidance), checked on load, so a run moved to another output_dir resumes.
     "data.regression_pairs_path",
@@ -611,6 +614,10 @@ class ValidationSpec:
     """Student step counts to sample with."""
     roles: tuple[Literal["student", "student_ema", "teacher"], ...] = ("student", "student_ema")
     """Roles to sample from."""
+    teacher_steps: int = 28
+    """Euler steps of the teacher's samples in the decoded (pipeline) validation, with its CFG and shift
+    algorithm.sigma_shift: the reference the students' samples are compared with (the digits table has
+    its own fixed 1 to 32)."""
 
     def validate(self, key: str) -> None:
         check_int(f"{key}.every", self.every, minimum=0)
@@ -621,6 +628,7 @@ class ValidationSpec:
             check_int(f"{key}.sampling_steps[{i}]", steps, minimum=1)
         if not self.roles:
             raise error(f"{key}.roles", [], "must list at least one role")
+        check_int(f"{key}.teacher_steps", self.teacher_steps, minimum=1)
 
 
 @dataclass(frozen=True)
@@ -653,6 +661,75 @@ class ExportSpec:
             )
 
 
+@dataclass(frozen=True)
+class PrepareSpec:
+    """How `verl-dmd-prepare` makes the data set at data.path; a run checks its data set against these.
+
+    Prompts (and optionally captioned images and teacher pairs) are encoded with the pipeline at
+    model.teacher.path (docs/quickstart.md section 5). Before any worker starts, the trainer checks
+    the data set at data.path against these keys and the pipeline (class, encoder weights,
+    resolution, frames, text settings)."""
+
+    prompts: str | None = None
+    """The prompt source: a text file (one prompt a line), JSONL (a prompt_field per line) or parquet (the
+    prompt_field column)."""
+    prompt_field: str = "prompt"
+    """The JSONL field or parquet column that holds the prompt."""
+    validation_prompts: str | None = None
+    """Prompts of the validation samples (same formats); null: the first validation.num_samples prompts."""
+    negative_prompt: str = ""
+    """The unconditional (negative) prompt encoded for classifier-free guidance; "" as pipelines default."""
+    resolution: tuple[int, int] | None = None
+    """[height, width] of the images (video frames) the latents are for; required by prepare."""
+    num_frames: int | None = None
+    """Frames per video (Wan: 4k + 1, e.g. 81); null for image families."""
+    max_sequence_length: int | None = None
+    """Text tokens kept per prompt; null: the pipeline's own encode_prompt default (what serving uses:
+    SD3 256, Flux 512, Qwen-Image 1024, Wan 226)."""
+    guidance_embedding: float | None = None
+    """Flux-dev's guidance-embedding value, written as cond.guidance; null: FluxPipeline's default 3.5.
+    Ignored by families without a guidance embedding."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    """The encoders' (and VAE's, teacher's) dtype, hence the stored embeddings' dtype; bf16 as served."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """auto: cuda when torch sees a GPU (under torchrun: the rank's GPU), else cpu."""
+    batch_size: int = 16
+    """Prompts (images) per encoder call."""
+    shard_size: int = 1024
+    """Prompts per shard file (a multiple of batch_size); a stopped run resumes at the first missing shard."""
+    real_images: str | None = None
+    """A folder of captioned images (x.png + x.txt, or .jpg/.jpeg/.webp; videos as animated .gif/.webp)
+    encoded by the VAE to real.x0 for the GAN terms; null: none."""
+    image_transform: Literal["center_crop", "resize"] = "center_crop"
+    """center_crop: scale the short side to the resolution, crop the middle; resize: stretch to it."""
+    teacher_pairs: bool = False
+    """Also sample the regression term's pairs: per prompt, noise -> the teacher's pair_steps Euler sample
+    with its CFG (algorithm.teacher_guidance_scale, shift algorithm.sigma_shift)."""
+    pair_steps: int = 28
+    """Euler steps of the teacher samples (teacher_pairs)."""
+
+    def validate(self, key: str) -> None:
+        if self.resolution is not None:
+            for i, value in enumerate(self.resolution):
+                check_int(f"{key}.resolution[{i}]", value, minimum=1)
+        if self.num_frames is not None:
+            check_int(f"{key}.num_frames", self.num_frames, minimum=1)
+        if self.max_sequence_length is not None:
+            check_int(f"{key}.max_sequence_length", self.max_sequence_length, minimum=1)
+        if self.guidance_embedding is not None:
+            check_float(f"{key}.guidance_embedding", self.guidance_embedding, "a finite number >= 0", low=0.0,
+                        closed=True)  # fmt: skip
+        check_int(f"{key}.batch_size", self.batch_size, minimum=1)
+        check_int(f"{key}.shard_size", self.shard_size, minimum=1)
+        if self.shard_size % self.batch_size:
+            raise error(f"{key}.shard_size", self.shard_size, f"must be a multiple of {key}.batch_size "
+                        f"({self.batch_size}): batches never cross shards, so a resumed run encodes alike",
+                        f"e.g. {key}.shard_size={self.batch_size * max(1, round(self.shard_size / self.batch_size))}")  # fmt: skip
+        check_int(f"{key}.pair_steps", self.pair_steps, minimum=1)
+        if not self.prompt_field:
+            raise error(f"{key}.prompt_field", self.prompt_field, "must name a JSONL field or parquet column")
+
+
 # --------------------------------------------------------------------------- the plan
 
 
@@ -671,6 +748,7 @@ class DistillationPlan:
     checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
     validation: ValidationSpec = field(default_factory=ValidationSpec)
     export: ExportSpec = field(default_factory=ExportSpec)
+    prepare: PrepareSpec = field(default_factory=PrepareSpec)
 
     SECTIONS: ClassVar[tuple[str, ...]] = (
         "algorithm",
@@ -684,6 +762,7 @@ class DistillationPlan:
         "checkpoint",
         "validation",
         "export",
+        "prepare",
     )
 
     def __post_init__(self) -> None:
@@ -700,10 +779,14 @@ class DistillationPlan:
         self.checkpoint.validate("checkpoint")
         self.validation.validate("validation")
         self.export.validate("export")
+        self.prepare.validate("prepare")
         self._validate_across_sections()
 
     def _validate_across_sections(self) -> None:
-        if self.algorithm.regression_weight > 0 and not self.data.regression_pairs_path:
+        # The embeddings provider reads its pairs from the prepared data set (prepare.teacher_pairs) and
+        # checks that they are there itself.
+        pairs_in_data = self.data.name == "embeddings"
+        if self.algorithm.regression_weight > 0 and not self.data.regression_pairs_path and not pairs_in_data:
             raise error(
                 "data.regression_pairs_path",
                 self.data.regression_pairs_path,

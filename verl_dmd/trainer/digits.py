@@ -12,8 +12,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import time
 from collections.abc import Callable
@@ -38,20 +36,10 @@ def teacher_guidance(plan) -> float:
 
 def teacher_digest(plan) -> str:
     """SHA-256 over the teacher's weight files (what the pairs depend on), or its config when built from one."""
-    from verl_dmd.adapters.base import plain
-    from verl_dmd.assets import resolve_model_path
+    from verl_dmd.digests import model_sha256
 
     source = plan.model.teacher
-    if source.path is None:
-        return (
-            "config:" + hashlib.sha256(json.dumps(plain(source.config), sort_keys=True).encode()).hexdigest()
-        )
-    folder = Path(resolve_model_path(source.path)) / (source.subfolder or "")
-    digest = hashlib.sha256()
-    for file in sorted([*folder.glob("*.safetensors"), *folder.glob("*.bin")]):
-        digest.update(file.name.encode())
-        digest.update(file.read_bytes())
-    return digest.hexdigest()
+    return model_sha256(source.path, source.subfolder, source.config)
 
 
 def regression_pairs(plan, group, labels: torch.Tensor, null_class: int, log: Callable[[str], None]):
@@ -174,7 +162,7 @@ class DigitsValidator:
             self._evaluation_parts = (train_digits_classifier(train_split, seed=0), holdout)
         return self._evaluation_parts
 
-    def run(self, out_dir: Path) -> ValidationReport:
+    def run(self, out_dir: Path, global_step: int) -> ValidationReport:
         """Sample and score every row; write samples under `out_dir`; the table and its metrics."""
         from verl_dmd.algorithms.sampling import even_schedule, renoise_draws, trained_schedule
         from verl_dmd.eval.digits_report import TEACHER_STEPS, DigitsEvaluation, format_table

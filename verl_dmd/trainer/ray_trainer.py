@@ -33,7 +33,7 @@ from typing import Any
 from verl_dmd.batch import BatchError
 from verl_dmd.controller import DistillationController, TooManySkipsError
 from verl_dmd.phases import PhaseRequest, Role
-from verl_dmd.trainer.registry import DATA_PROVIDERS, VALIDATORS, validator_name
+from verl_dmd.trainer.registry import DATA_PROVIDERS, VALIDATORS, ValidatorUnavailable, validator_name
 
 EXIT_SIGNALLED = 128
 """A run stopped by a signal exits with 128 + the signal number (SIGTERM: 143), after its checkpoint."""
@@ -166,7 +166,12 @@ class Validation:
 
     def __init__(self, plan, group, info, tracking, output_dir: Path, log: Callable[[str], None]) -> None:
         self.plan, self.tracking, self.output_dir, self.log = plan, tracking, output_dir, log
-        self.validator = build_validator(plan, group, info)
+        self.unavailable: str | None = None
+        try:
+            self.validator = build_validator(plan, group, info)
+        except ValidatorUnavailable as note:
+            self.validator, self.unavailable = None, str(note)
+            log(f"validation: off ({note})")
 
     def due(self, global_step: int) -> bool:
         every = self.plan.validation.every
@@ -174,15 +179,16 @@ class Validation:
 
     def run(self, global_step: int, *, final: bool, trained_seconds: float | None = None) -> None:
         if self.validator is None:
-            if final:
+            if final and self.unavailable is None:
                 registered = ", ".join(VALIDATORS.names())
                 self.log(f"validation: no validator for data.name = {self.plan.data.name!r} (validation.name "
                          f"selects one; registered: {registered})")  # fmt: skip
             return
         started = time.perf_counter()
         out = self.output_dir if final else self.output_dir / "validation" / f"global_step_{global_step}"
-        report = self.validator.run(out)
+        report = self.validator.run(out, global_step)
         self.tracking.log(data=report.metrics, step=global_step)
+        log_images(self.tracking, report.images, global_step)
         header = (
             f"{report.title} at global step {global_step} ({report.scope}; validation "
             f"{time.perf_counter() - started:.0f} s"
@@ -330,16 +336,9 @@ class DistillationRayTrainer:
             self._ray_started = False
 
     def _fit(self) -> int:
-        from verl.utils.tracking import Tracking
-
         plan, started = self.plan, time.perf_counter()
         info, provider, controller, checkpoints = self._set_up(started)
-        tracking = Tracking(
-            project_name=plan.trainer.project_name,
-            experiment_name=plan.trainer.experiment_name,
-            default_backend=list(plan.trainer.loggers),
-            config=plan.to_dict(),
-        )
+        tracking = _tracking(plan, self.output_dir)
         validation = Validation(plan, self.group, info, tracking, self.output_dir, self.log)
         progress = _Progress(
             plan.trainer.total_steps, controller.global_step, plan.trainer.progress_bar, self.log
@@ -432,6 +431,41 @@ class DistillationRayTrainer:
             raise TrainerError(f"data provider {self.plan.data.name!r}: {err}") from None
         controller.record(role, stepped=metrics["stepped"])
         return metrics
+
+
+def _tracking(plan, output_dir: Path):
+    """verl's Tracking for the run; its tensorboard logs go to <output_dir>/tensorboard unless $TENSORBOARD_DIR
+    says otherwise (verl's own default is tensorboard_log/ under the working directory)."""
+    from verl.utils.tracking import Tracking
+
+    chosen = "TENSORBOARD_DIR" in os.environ
+    if not chosen:
+        os.environ["TENSORBOARD_DIR"] = str(output_dir / "tensorboard")
+    try:
+        return Tracking(
+            project_name=plan.trainer.project_name,
+            experiment_name=plan.trainer.experiment_name,
+            default_backend=list(plan.trainer.loggers),
+            config=plan.to_dict(),
+        )
+    finally:
+        if not chosen:
+            del os.environ["TENSORBOARD_DIR"]
+
+
+def log_images(tracking, images: dict[str, Any], step: int) -> None:
+    """Send (H, W, 3) uint8 pictures to the Tracking backends that take images (tensorboard, wandb)."""
+    if not images:
+        return
+    backends = getattr(tracking, "logger", {})
+    board = backends.get("tensorboard")
+    if board is not None:
+        for tag, picture in images.items():
+            board.writer.add_image(tag, picture, step, dataformats="HWC")
+        board.writer.flush()
+    wandb = backends.get("wandb")
+    if wandb is not None:
+        wandb.log({tag: wandb.Image(picture) for tag, picture in images.items()}, step=step)
 
 
 def _loggable(metrics: dict[str, Any]) -> dict[str, float]:

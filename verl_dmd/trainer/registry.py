@@ -12,9 +12,11 @@ ValueError it raises is the run's one-line error (the embeddings provider checks
 files there).
 
 A validator is a class registered with ``@register_validator("<name>")``:
-``from_plan(plan, group, info)`` builds it; ``run(out_dir)`` samples through the
-worker group, writes what people look at under `out_dir` and returns a
-`ValidationReport`. Packages add their own through the ``verl_dmd.data_providers``
+``from_plan(plan, group, info)`` builds it (raising `ValidatorUnavailable` when it
+cannot serve this run and was not asked for by name: the run then goes without
+validation, saying why); ``run(out_dir, global_step)`` samples through the worker
+group, writes what people look at (under `out_dir`, or where it documents) and
+returns a `ValidationReport`. Packages add their own through the ``verl_dmd.data_providers``
 and ``verl_dmd.validators`` entry-point groups.
 """
 
@@ -23,10 +25,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from verl_dmd.registry import Registry
 
-_BUILTINS = ("verl_dmd.trainer.digits", "verl_dmd.trainer.embeddings")
+_BUILTINS = ("verl_dmd.trainer.digits", "verl_dmd.trainer.embeddings", "verl_dmd.trainer.pipeline_validation")
 
 
 def _has_from_plan(kind: str) -> Callable[[str, object], None]:
@@ -50,7 +53,7 @@ VALIDATORS: Registry[type] = Registry(
     key="validation.name",
     entry_point_group="verl_dmd.validators",
     builtin_modules=_BUILTINS,
-    builtin_names=("digits",),
+    builtin_names=("digits", "pipeline"),
     check=_has_from_plan("validator"),
 )
 
@@ -72,6 +75,11 @@ def validator_name(plan) -> str | None:
     return getattr(DATA_PROVIDERS.get(plan.data.name), "validator", None)
 
 
+class ValidatorUnavailable(Exception):
+    """Raised by a validator's from_plan when the run's data or model gives it nothing to sample (the message
+    says why); only when the validator was not named in validation.name, which makes it an error instead."""
+
+
 @dataclass(frozen=True)
 class ValidationReport:
     """What one validation found: a markdown table for people, metrics for the loggers."""
@@ -84,3 +92,5 @@ class ValidationReport:
     metrics: dict[str, float] = field(default_factory=dict)
     samples: Path | None = None
     """Where the samples and their pictures are."""
+    images: dict[str, Any] = field(default_factory=dict)
+    """Pictures for the Tracking backends: tag -> (H, W, 3) uint8 array."""

@@ -85,16 +85,23 @@ class WorkerGroup:
     def wake(self) -> list[dict[str, float]]:
         return self._call("wake")
 
-    def euler(self, role, noise, cond, steps, *, guidance=1.0, uncond=None, chunk=512) -> torch.Tensor:
+    def euler(
+        self, role, noise, cond, steps, *, guidance=1.0, uncond=None, chunk=512, shift=1.0
+    ) -> torch.Tensor:
         """Euler samples of `role` (the teacher's ODE sampler), the batch split over the ranks."""
         tensors = {"noise": noise, "cond": cond, **({"uncond": uncond} if uncond is not None else {})}
         return self._split_call("euler", tensors, {"role": role, "steps": steps, "guidance": guidance,
-                                                    "chunk": chunk})  # fmt: skip
+                                                    "chunk": chunk, "shift": shift})  # fmt: skip
 
     def few_step(self, role, noise, cond, schedule, renoise) -> torch.Tensor:
         """Few-step samples of `role` with pre-drawn re-noising, the batch split over the ranks."""
         tensors = {"noise": noise, "cond": cond, "renoise": list(renoise)}
         return self._split_call("few_step", tensors, {"role": role, "schedule": [float(s) for s in schedule]})
+
+    def decode(self, latents: torch.Tensor, *, height: int, width: int) -> torch.Tensor:
+        """Latents decoded by the teacher pipeline's VAE into uint8 RGB, (B, H, W, 3) or (B, F, H, W, 3), the
+        batch split over the ranks."""
+        return self._split_call("decode", {"latents": latents}, {"height": height, "width": width})
 
     def _split_call(self, method: str, tensors: dict[str, Any], rest: dict[str, Any]) -> torch.Tensor:
         """A sampling call padded to a multiple of the world size; the samples in order, padding trimmed."""

@@ -27,6 +27,7 @@ OPERATIONS: dict[str, Dispatch] = {
     "load_checkpoint": "all",
     "euler": "split",
     "few_step": "split",
+    "decode": "split",
     "sleep": "all",
     "wake": "all",
     "shutdown": "all",

@@ -151,8 +151,10 @@ class RankSession:
         guidance: float = 1.0,
         uncond: dict[str, torch.Tensor] | None = None,
         chunk: int = 512,
+        shift: float = 1.0,
     ) -> torch.Tensor:
-        """Euler samples of `role` (the teacher's ODE sampler) for this rank's part, `chunk` at a time."""
+        """Euler samples of `role` (the teacher's ODE sampler, its levels shifted by `shift`) for this rank's
+        part, `chunk` at a time."""
         self.wake()
         from verl_dmd.algorithms.sampling import euler_sample
 
@@ -165,7 +167,7 @@ class RankSession:
                         self.adapter, module, noise[part].to(self.engine.device),
                         {k: v[part].to(self.engine.device) for k, v in cond.items()}, steps, guidance=guidance,
                         uncond=None if uncond is None else {k: v[part].to(self.engine.device)
-                                                            for k, v in uncond.items()},
+                                                            for k, v in uncond.items()}, shift=shift,
                     ).cpu()
                 )  # fmt: skip
         return torch.cat(out)
@@ -188,3 +190,48 @@ class RankSession:
                 self.adapter, module, noise.to(device), {k: v.to(device) for k, v in cond.items()},
                 torch.tensor(schedule), [r.to(device) for r in renoise],
             ).cpu()  # fmt: skip
+
+    # ------------------------------------------------------------------ decoding (pipeline validation)
+
+    def decode(self, latents: torch.Tensor, height: int, width: int, chunk: int = 4) -> torch.Tensor:
+        """This rank's part of `latents` decoded by the VAE of the teacher's pipeline (loaded on first use,
+        kept on the host between calls), as uint8 RGB channels-last: (B, H, W, 3) or (B, F, H, W, 3)."""
+        self.wake()
+        vae = self._vae()
+        device = self.engine.device
+        vae.to(device)
+        out = []
+        try:
+            with torch.no_grad():
+                for start in range(0, latents.shape[0], chunk):
+                    part = latents[start : start + chunk].to(device, torch.float32)
+                    pixels = self.adapter.decode_latents(vae, part, height, width).float()
+                    pixels = ((pixels.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).cpu()
+                    out.append(pixels.movedim(1, -1))  # channels last: (B, H, W, 3) or (B, F, H, W, 3)
+        finally:
+            vae.to("cpu")
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        if not out:
+            return torch.zeros((0,), dtype=torch.uint8)
+        return torch.cat(out)
+
+    def _vae(self):
+        if getattr(self, "_vae_model", None) is None:
+            import json
+
+            import diffusers
+
+            from verl_dmd.data.prepared import teacher_pipeline
+
+            root = teacher_pipeline(self.plan)
+            if root is None:
+                raise ValueError("decoding needs the teacher's pipeline directory (model.teacher.path with "
+                                 "model.teacher.subfolder), which holds the VAE")  # fmt: skip
+            _, cls = json.loads((root / "model_index.json").read_text())["vae"]
+            self._vae_model = (
+                getattr(diffusers, cls)
+                .from_pretrained(str(root), subfolder="vae", torch_dtype=torch.float32, local_files_only=True)
+                .eval()
+            )
+        return self._vae_model

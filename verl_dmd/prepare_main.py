@@ -1,0 +1,87 @@
+"""`verl-dmd-prepare`: prompts (and images, and teacher pairs) to the data set a run trains on.
+
+Configured like the trainer: the same recipe (``--config-name``) and dotted
+overrides, so one set of keys describes both the data set and the run on it:
+``model.adapter`` and ``model.teacher.path`` (the pipeline directory) say how to
+encode, ``data.path`` is where the data set goes, ``prepare.*`` says what goes
+in it (docs/configuration.md). The config is composed with hydra's composition
+(`verl_dmd.command_line`) and run directly: no hydra run directory is made. A bad
+input is one line naming it and the fix, exit code 2. Running the same command
+again after a stop continues at the first missing shard; on a finished data set
+it does nothing.
+
+Several GPUs: ``torchrun --nproc-per-node N -m verl_dmd.prepare_main ...`` (each
+rank takes every N-th shard; gloo barriers between stages; rank 0 writes the
+manifest).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+PROG = "verl-dmd-prepare"
+USAGE = (
+    f"{PROG}: encode prompts with a pipeline's own text encoders into the data set a verl-dmd run trains on\n"
+    f"  {PROG} --config-name RECIPE model.teacher.path=PIPELINE data.path=OUT prepare.prompts=FILE [key=value ...]\n"
+    "  optional: prepare.validation_prompts=FILE prepare.real_images=DIR prepare.teacher_pairs=true\n"
+    f"  several GPUs: torchrun --nproc-per-node N -m verl_dmd.prepare_main --config-name RECIPE ...\n"
+    "every prepare.* key: docs/configuration.md; the walk-through: docs/quickstart.md section 5"
+)
+
+
+def run(cfg, *, log: Callable[[str], None] | None = None, fault: Callable[[str], None] | None = None) -> int:
+    """Prepare the data set of `cfg` (a composed config or mapping); returns a process exit code."""
+    import os
+
+    from verl_dmd.data.prepared import DatasetError
+    from verl_dmd.plan import DistillationPlan, PlanError
+    from verl_dmd.prepare.job import PrepareError, PrepareJob
+
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if world_size > 1:
+        import datetime
+
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", timeout=datetime.timedelta(hours=2))
+    try:
+        plan = DistillationPlan.from_config(cfg)
+        PrepareJob(plan, log=log, fault=fault).run()
+    except (PlanError, PrepareError, DatasetError) as err:
+        if rank == 0:
+            print(f"{PROG}: error: {err}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        if world_size > 1:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+    return 0
+
+
+def cli() -> None:
+    """Console script `verl-dmd-prepare`."""
+    from verl_dmd.command_line import compose
+    from verl_dmd.main import DEFAULT_RECIPE, RECIPES, _hydra_main
+    from verl_dmd.plan import PlanError
+
+    argv = sys.argv[1:]
+    if "--help" in argv or "-h" in argv:
+        print(USAGE)
+        return
+    try:
+        cfg = compose(argv, task_function=_hydra_main, config_path=RECIPES, config_name=DEFAULT_RECIPE)
+    except PlanError as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        sys.exit(2)
+    if cfg is None:  # hydra's own flags (--cfg job, --info, ...): hydra answers them
+        _hydra_main()
+        return
+    code = run(cfg)
+    if code:
+        sys.exit(code)
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,1 @@
+"""Test helpers that build small real models and pipelines offline (no downloads)."""
