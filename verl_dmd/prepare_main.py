@@ -45,6 +45,7 @@ def run(cfg, *, log: Callable[[str], None] | None = None, fault: Callable[[str],
         import torch.distributed as dist
 
         dist.init_process_group("gloo", timeout=datetime.timedelta(hours=2))
+    _quiet_libraries()
     try:
         plan = DistillationPlan.from_config(cfg)
         PrepareJob(plan, log=log, fault=fault).run()
@@ -58,6 +59,16 @@ def run(cfg, *, log: Callable[[str], None] | None = None, fault: Callable[[str],
 
             dist.destroy_process_group()
     return 0
+
+
+def _quiet_libraries() -> None:
+    """diffusers' and transformers' loading bars and notices would bury prepare's own progress lines."""
+    import diffusers
+    import transformers
+
+    for library in (diffusers, transformers):
+        library.utils.logging.set_verbosity_error()
+        library.utils.logging.disable_progress_bar()
 
 
 def cli() -> None:

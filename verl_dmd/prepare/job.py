@@ -488,7 +488,7 @@ class PrepareJob:
                                                     for n in inputs.adapter.text_encoders} | {"scheduler"}  # fmt: skip
         skipped = {name: None for name in inputs.components if name not in keep}
         pipe = diffusers.DiffusionPipeline.from_pretrained(
-            str(inputs.pipeline_dir), torch_dtype=self.dtype, local_files_only=True, **skipped
+            str(inputs.pipeline_dir), dtype=self.dtype, local_files_only=True, **skipped
         )
         return pipe.to(self.device)
 
@@ -497,7 +497,7 @@ class PrepareJob:
 
         _library, cls = self.inputs.components["vae"]
         vae = getattr(diffusers, cls).from_pretrained(str(self.inputs.pipeline_dir), subfolder="vae",
-                                                      torch_dtype=self.dtype, local_files_only=True)  # fmt: skip
+                                                      dtype=self.dtype, local_files_only=True)  # fmt: skip
         return vae.to(self.device).eval()
 
     def _encode(self, pipe, prompts: list[str]) -> dict[str, torch.Tensor]:

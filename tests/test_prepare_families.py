@@ -1,0 +1,195 @@
+"""Each model family end to end on a tiny real pipeline: prepare -> verl-dmd --local with decoded validation -> export.
+
+The pipelines are real diffusers pipelines built offline (`verl_dmd.testing.pipelines`): real text
+encoders, tokenizers, VAEs and transformers of the released classes, tiny. Per family: the prepared
+embeddings equal the pipeline's own ``encode_prompt`` (called here as a serving request would call it)
+bit for bit; a run with validation writes readable PNG grids of the expected size (and GIFs for
+video) and logs the comparison picture to tensorboard, read back from its event file; the export is
+written. SD3 runs the real command-line scripts and its GAN terms on real images; Wan trains with
+teacher pairs and real video clips; Flux carries Flux-dev's guidance embedding; Qwen-Image's text is
+ragged (variable length with a mask).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+from prepare_scenarios import (
+    PROMPTS,
+    VALIDATION_PROMPTS,
+    prepare_overrides,
+    recipe,
+    train_overrides,
+    write_captioned_images,
+    write_lines,
+)
+
+from verl_dmd.main import compose_plan
+from verl_dmd.testing.pipelines import FAMILIES, TINY_FRAMES, TINY_RESOLUTION, build_pipeline
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+# What each family adds to the basic path (prepare extras, train extras).
+EXTRAS = {
+    "sd3": ({"prepare.real_images": "{images}"},
+            {"algorithm.gan_generator_weight": 0.01, "algorithm.gan_discriminator_weight": 0.01,
+             "export.formats": "[peft,diffusers,pipeline]", "export.pipeline_source": "{pipeline}"}),
+    "flux": ({"prepare.guidance_embedding": 2.5}, {}),
+    "qwen_image": ({}, {}),
+    "wan": ({"prepare.real_images": "{images}", "prepare.teacher_pairs": "true"},
+            {"algorithm.regression_weight": 0.25, "algorithm.gan_discriminator_weight": 0.01}),
+}  # fmt: skip
+
+
+def serving_embeddings(family: str, pipe, prompts: list[str]) -> tuple[dict[str, torch.Tensor], dict]:
+    """What the pipeline's own encode_prompt gives a request for `prompts` with its defaults: the prompts'
+    embeddings, and the negative (empty) prompt's."""
+    with torch.no_grad():
+        if family == "sd3":  # prompt_2/prompt_3 default to prompt; the negative is encoded alongside
+            embeds, negative, pooled, negative_pooled = pipe.encode_prompt(prompts, None, None)
+            return ({"encoder_hidden_states": embeds, "pooled_projections": pooled},
+                    {"encoder_hidden_states": negative[:1], "pooled_projections": negative_pooled[:1]})  # fmt: skip
+        if family == "flux":  # no CFG: the empty prompt is encoded as a prompt (true CFG's negative)
+            embeds, pooled, _ = pipe.encode_prompt(prompts, None)
+            empty, empty_pooled, _ = pipe.encode_prompt([""], None)
+            return ({"encoder_hidden_states": embeds, "pooled_projections": pooled},
+                    {"encoder_hidden_states": empty, "pooled_projections": empty_pooled})  # fmt: skip
+        if family == "qwen_image":
+            embeds, mask = pipe.encode_prompt(prompts)
+            empty, empty_mask = pipe.encode_prompt([""])
+            ones = lambda e: torch.ones(e.shape[:2], dtype=torch.long)  # noqa: E731 (a mask the pipeline dropped)
+            return ({"encoder_hidden_states": embeds, "encoder_hidden_states_mask": ones(embeds) if mask is None else mask},
+                    {"encoder_hidden_states": empty, "encoder_hidden_states_mask": ones(empty) if empty_mask is None else empty_mask})  # fmt: skip
+        embeds, negative = pipe.encode_prompt(prompts)  # wan: CFG on by default, negative ""
+        return {"encoder_hidden_states": embeds}, {"encoder_hidden_states": negative[:1]}
+
+
+def check_embeddings_equal_serving(family: str, pipeline: Path, data: Path) -> None:
+    from diffusers import DiffusionPipeline
+
+    from verl_dmd.data.prepared import PreparedDataset
+
+    dataset = PreparedDataset.open(data)
+    pipe = DiffusionPipeline.from_pretrained(str(pipeline), transformer=None, vae=None, local_files_only=True)
+    batch = dataset.intent["encoding"]["batch_size"]
+    for number, shard in enumerate(dataset.files("prompts")):
+        stored = safetensors.torch.load_file(shard)
+        rows = PROMPTS[number * 4 : (number + 1) * 4]
+        for start in range(0, len(rows), batch):  # the same batches as prepare: batches never cross shards
+            want, _ = serving_embeddings(family, pipe, rows[start : start + batch])
+            for key, tensor in want.items():
+                got = stored[f"cond.{key}"][start : start + batch, : tensor.shape[1]]
+                assert torch.equal(got, tensor), (family, key, number, start)
+                assert not stored[f"cond.{key}"][
+                    start : start + batch, tensor.shape[1] :
+                ].any()  # ragged: zeros
+    _, negative = serving_embeddings(family, pipe, PROMPTS[:1])
+    uncond = safetensors.torch.load_file(dataset.files("uncond")[0])
+    for key, tensor in negative.items():
+        assert torch.equal(uncond[f"uncond.{key}"], tensor), (family, key)
+    if family == "flux":  # Flux-dev's guidance embedding travels with every prompt
+        assert torch.equal(stored["cond.guidance"], torch.full((stored["cond.guidance"].shape[0],), 2.5))
+
+
+def check_pictures(family: str, out: Path, steps: list[int]) -> None:
+    from PIL import Image
+
+    height, width = TINY_RESOLUTION[family]
+    models = 1 + 2  # the teacher, student_ema at 1 and 4 steps (the recipes validate student_ema only)
+    for step in steps:
+        samples = out / "samples" / f"step_{step}"
+        with Image.open(samples / "comparison.png") as picture:
+            picture.verify()
+        with Image.open(samples / "comparison.png") as picture:
+            assert picture.mode == "RGB"
+            assert picture.size == (
+                2 * (width + 2) + 2,
+                models * (height + 2) + 2,
+            )  # prompts x models, 2 px gaps
+        for name in ("teacher_2step", "student_ema_1step", "student_ema_4step"):
+            with Image.open(samples / f"{name}.png") as picture:
+                frames = TINY_FRAMES.get(family)
+                want = (
+                    (frames * (width + 2) + 2, 2 * (height + 2) + 2)
+                    if frames
+                    else (2 * (width + 2) + 2, height + 4)
+                )
+                assert picture.size == want, (name, picture.size)
+            if family in TINY_FRAMES:
+                with Image.open(samples / f"{name}.gif") as animation:
+                    assert animation.n_frames == TINY_FRAMES[family]
+        assert (samples / "prompts.txt").read_text().startswith("0\ta red cat\n1\ta green frog on a leaf\n")
+
+
+def check_tensorboard(out: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import IMAGES, EventAccumulator
+
+    (events,) = (out / "tensorboard").glob("events.out.tfevents.*")
+    accumulator = EventAccumulator(str(events), size_guidance={IMAGES: 0})
+    accumulator.Reload()
+    assert "samples/comparison" in accumulator.Tags()["images"]
+    logged = accumulator.Images("samples/comparison")
+    assert [event.step for event in logged] == [1, 2]
+    assert all(event.encoded_image_string.startswith(b"\x89PNG") for event in logged)
+    assert "val/student_ema_1step/psnr" in accumulator.Tags()["scalars"]
+
+
+@pytest.fixture(scope="module")
+def pipelines(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("pipelines")
+    return {
+        family: build_pipeline(family, root / family, guidance_embeds=family == "flux") for family in FAMILIES
+    }
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_family_goes_from_prompts_to_samples_and_an_export(family, pipelines, tmp_path, capsys):
+    from verl_dmd import main, prepare_main
+
+    pipeline, data, out = pipelines[family], tmp_path / "data", tmp_path / "run"
+    images = write_captioned_images(tmp_path / "images", 3, frames=TINY_FRAMES.get(family))
+    fill = {"images": images, "pipeline": pipeline}
+    prepare_extra, train_extra = ({k: str(v).format(**fill) for k, v in d.items()} for d in EXTRAS[family])
+    prompts = write_lines(tmp_path / "prompts.txt", PROMPTS)
+    validation = write_lines(tmp_path / "validation.txt", VALIDATION_PROMPTS)
+    prepare = prepare_overrides(family, pipeline, data, prompts, **prepare_extra,
+                                **{"prepare.validation_prompts": validation})  # fmt: skip
+    train = train_overrides(family, pipeline, data, out, **train_extra)
+    if family == "sd3":  # the command-line scripts themselves
+        for script, args in (("verl-dmd-prepare", prepare), ("verl-dmd", ["--local", *train])):
+            result = subprocess.run([str(Path(sys.executable).parent / script), "--config-name", recipe(family), *args],
+                                    capture_output=True, text=True, timeout=600, cwd=ROOT)  # fmt: skip
+            assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        log = result.stdout
+    else:  # the same functions the scripts call, in this process (no second start-up of torch and diffusers)
+        assert prepare_main.run(compose_plan(recipe(family), prepare).to_dict()) == 0
+        assert main.run(compose_plan(recipe(family), train).to_dict(), backend="local") == 0
+        log = capsys.readouterr().out
+    check_embeddings_equal_serving(family, pipeline, data)
+    assert "decoded samples at global step 1" in log and "decoded samples at global step 2" in log, log[
+        -3000:
+    ]
+    check_pictures(family, out, [1, 2])
+    check_tensorboard(out)
+    exported = out / "export" / "global_step_2" / "student_ema"
+    assert (exported / "peft" / "adapter_model.safetensors").is_file()
+    assert (exported / "diffusers" / "config.json").is_file()
+    if family == "sd3":  # the exported pipeline is a diffusers pipeline that samples
+        from diffusers import DiffusionPipeline
+
+        served = DiffusionPipeline.from_pretrained(str(exported / "pipeline"), local_files_only=True)
+        image = served(prompt="a red cat", num_inference_steps=1, height=32, width=32, guidance_scale=1.0,
+                       output_type="pt").images  # fmt: skip
+        assert image.shape == (1, 3, 32, 32) and torch.isfinite(image).all()
+    if family == "qwen_image":  # ragged text: a batch is as long as its longest prompt, no longer
+        from verl_dmd.trainer.embeddings import EmbeddingsProvider
+
+        batch = EmbeddingsProvider(compose_plan(recipe(family), train)).next_batch(3)
+        mask = batch["cond.encoder_hidden_states_mask"]
+        assert mask.shape[1] == int(mask.sum(dim=1).max()) == batch["cond.encoder_hidden_states"].shape[1]
