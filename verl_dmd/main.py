@@ -36,11 +36,9 @@ def available_recipes() -> list[str]:
     return sorted(p.stem for p in recipes_dir().glob("*.yaml"))
 
 
-def compose_plan(
-    recipe: str = DEFAULT_RECIPE, overrides: list[str] | tuple[str, ...] = ()
-) -> DistillationPlan:
-    """The plan `verl-dmd --config-name <recipe> <overrides>` runs, composed without hydra's runtime
-    (for scripts and tests): the base config, the recipe over it, then the dotted overrides."""
+def compose_config(recipe: str = DEFAULT_RECIPE, overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
+    """The config of `verl-dmd --config-name <recipe> <overrides>`, composed without hydra's runtime and not
+    yet checked (for scripts and tests): the base config, the recipe over it, then the dotted overrides."""
     from verl_dmd import config_dir
 
     recipe_config = OmegaConf.load(recipes_dir() / f"{recipe}.yaml")
@@ -48,7 +46,14 @@ def compose_plan(
     recipe_config.pop("hydra", None)
     config = OmegaConf.merge(OmegaConf.load(config_dir() / "dmd2.yaml"), recipe_config)
     config.merge_with_dotlist(list(overrides))
-    return DistillationPlan.from_config(config)
+    return config
+
+
+def compose_plan(
+    recipe: str = DEFAULT_RECIPE, overrides: list[str] | tuple[str, ...] = ()
+) -> DistillationPlan:
+    """The plan `verl-dmd --config-name <recipe> <overrides>` runs (`compose_config`, then built and checked)."""
+    return DistillationPlan.from_config(compose_config(recipe, overrides))
 
 
 def schedule_preview(plan: DistillationPlan, num_phases: int) -> list[str]:

@@ -181,6 +181,8 @@ class DistributionMatchingModelAdapter:
     may hold; empty: no pipeline support."""
     text_encoders: ClassVar[tuple[str, ...]] = ()
     """The pipeline components `encode_prompts` runs (text encoders; their tokenizers come along)."""
+    max_text_tokens: ClassVar[int | None] = None
+    """The most text tokens the pipeline serves (its check_inputs refuses more); None: no limit."""
     ragged_cond: ClassVar[Mapping[str, str]] = {}
     """Conditioning entries of variable length (padded per batch) -> the mask entry that marks real tokens."""
 

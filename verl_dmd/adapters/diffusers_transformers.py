@@ -106,6 +106,7 @@ class SD3Adapter(DistributionMatchingModelAdapter):
 
     pipeline_classes = ("StableDiffusion3Pipeline",)
     text_encoders = ("text_encoder", "text_encoder_2", "text_encoder_3")
+    max_text_tokens = 512
 
     def encode_prompts(self, pipe, prompts, *, max_sequence_length):
         # prompt_2 and prompt_3 default to `prompt`, as a request without them is served.
@@ -186,6 +187,7 @@ class FluxAdapter(DistributionMatchingModelAdapter):
 
     pipeline_classes = ("FluxPipeline",)
     text_encoders = ("text_encoder", "text_encoder_2")
+    max_text_tokens = 512
     DEFAULT_GUIDANCE = 3.5
     """FluxPipeline's default guidance_scale: the guidance-embedding value a Flux-dev request gets."""
 
@@ -269,6 +271,7 @@ class QwenImageAdapter(DistributionMatchingModelAdapter):
 
     pipeline_classes = ("QwenImagePipeline",)
     text_encoders = ("text_encoder",)
+    max_text_tokens = 1024
     ragged_cond: ClassVar[dict[str, str]] = {"encoder_hidden_states": "encoder_hidden_states_mask"}
 
     def encode_prompts(self, pipe, prompts, *, max_sequence_length):

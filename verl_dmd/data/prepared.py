@@ -15,9 +15,11 @@ Layout of a data set directory (``data.path``)::
 Each shard is written under a temporary name and renamed into place, so a file
 with a shard's name is complete; a run stopped half-way is continued by running the
 same command again (the intent must be equal; the missing shards are made). Each
-shard's header metadata carries the data set id (the SHA-256 of the intent), its
-part and index, and the prompts it encodes (JSON), so a file is traceable on its
-own. Tensors of one key have the same trailing shape in every shard, except the
+shard's header metadata carries, as one canonical JSON string under the key
+``verl_dmd`` (safetensors orders several metadata keys differently in every
+process, which would make equal shards differ in bytes), the data set id (the
+SHA-256 of the intent), its part and index, and the prompts it encodes, so a file
+is traceable on its own. Tensors of one key have the same trailing shape in every shard, except the
 *ragged* keys (variable-length text, Qwen-Image): those are padded with zeros to
 the longest row of their shard and come with a mask key (1 = a real token); the
 manifest names them (``ragged``), and readers pad or trim them per batch.
@@ -83,19 +85,23 @@ def write_atomic_json(path: Path, value: Any) -> None:
     os.replace(staging, path)
 
 
+SHARD_METADATA = "verl_dmd"
+
+
 def write_shard(
     path: Path,
     tensors: Mapping[str, torch.Tensor],
-    metadata: Mapping[str, str],
+    metadata: Mapping[str, Any],
     before_rename: Callable[[], None] | None = None,
 ) -> None:
     """Write a safetensors shard under a temporary name, flushed to disk, then rename it into place
-    (`before_rename`: a fault-injection point for tests, called between the two)."""
+    (`before_rename`: a fault-injection point for tests, called between the two). `metadata` goes into the
+    header as one canonical JSON string, so equal shards are equal bytes."""
     import safetensors.torch
 
     staging = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tensors = {k: v.contiguous().cpu() for k, v in tensors.items()}
-    data = safetensors.torch.save(tensors, metadata=dict(metadata))
+    data = safetensors.torch.save(tensors, metadata={SHARD_METADATA: canonical_json(dict(metadata))})
     with staging.open("wb") as handle:
         handle.write(data)
         handle.flush()
@@ -211,10 +217,15 @@ class PreparedDataset:
         return shard_prompts(path)
 
 
-def shard_prompts(path: Path) -> list[str]:
-    """The prompt texts a shard's header records (empty when it records none)."""
+def shard_metadata(path: Path) -> dict[str, Any]:
+    """What a shard's header records (`write_shard`)."""
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as handle:
         metadata = handle.metadata() or {}
-    return list(json.loads(metadata.get("prompts", "[]")))
+    return json.loads(metadata.get(SHARD_METADATA, "{}"))
+
+
+def shard_prompts(path: Path) -> list[str]:
+    """The prompt texts a shard's header records (empty when it records none)."""
+    return list(shard_metadata(path).get("prompts", []))

@@ -25,7 +25,6 @@ from __future__ import annotations
 import gc
 import hashlib
 import inspect
-import json
 import math
 import os
 import sys
@@ -206,6 +205,10 @@ def resolve_inputs(plan) -> Inputs:
     except SourceError as err:
         raise PrepareError(str(err)) from None
     length = prep.max_sequence_length or default_max_sequence_length(cls)
+    if adapter.max_text_tokens is not None and length > adapter.max_text_tokens:
+        raise PrepareError(f"config key 'prepare.max_sequence_length' = {length}: a {cls} serves at most "
+                           f"{adapter.max_text_tokens} text tokens (its check_inputs refuses more), so training "
+                           f"on more would not match serving; fix: {adapter.max_text_tokens} or less")  # fmt: skip
     return Inputs(root, cls, components, adapter, transformer_config, vae_config, height, width, prep.num_frames,
                   tuple(int(v) for v in shape), int(length), prompts, validation, real)  # fmt: skip
 
@@ -470,10 +473,10 @@ class PrepareJob:
         return False
 
     def _publish(self, work: Work, tensors: dict[str, torch.Tensor], prompts: list[str] | None) -> None:
-        metadata = {"dataset_id": self.id, "part": work.part, "index": str(work.index),
-                    "first_row": str(work.rows.start), "rows": str(len(work.rows))}  # fmt: skip
+        metadata = {"dataset_id": self.id, "part": work.part, "index": work.index, "first_row": work.rows.start,
+                    "rows": len(work.rows)}  # fmt: skip
         if prompts is not None:
-            metadata["prompts"] = json.dumps(prompts, ensure_ascii=False)
+            metadata["prompts"] = prompts
         path = self.out / work.file
         write_shard(path, tensors, metadata, before_rename=lambda: self.fault(f"before-rename:{work.file}"))
         self.fault(f"after-rename:{work.file}")
