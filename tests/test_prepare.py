@@ -97,6 +97,10 @@ BAD_INPUTS = {
     "no data.path": (lambda t, p, q: {"data.path": "null"}, "'data.path' = None"),
     "output holds other files": (lambda t, p, q: {"data.path": _write_bytes(t / "o" / "x.txt", b"x").parent},
                                  "holds files that are no verl_dmd data set"),
+    "real image that is no image": (
+        lambda t, p, q: {"prepare.real_images": _captioned(t / "imgs", b"not a png")},
+        "x.png is not a readable image",
+    ),
     "real image without caption": (
         lambda t, p, q: {"prepare.real_images": _image_without_caption(t / "imgs")},
         "x.png has no caption file x.txt",
@@ -116,6 +120,12 @@ def _parquet(path: Path, **columns) -> Path:
 
     pq.write_table(pa.table(columns), path)
     return path
+
+
+def _captioned(folder: Path, data: bytes) -> Path:
+    _write_bytes(folder / "x.png", data)
+    (folder / "x.txt").write_text("a caption")
+    return folder
 
 
 def _image_without_caption(folder: Path) -> Path:
@@ -168,6 +178,11 @@ def test_the_command_line_refuses_with_one_line_and_exit_2(sd3, tmp_path):
     assert not (tmp_path / "d").exists()
     typo = subprocess.run([str(script), "--config-name", "sd3_lora_dmd2", "prepare.prompt=x"],
                           capture_output=True, text=True, timeout=120)  # fmt: skip
+    multirun = subprocess.run([str(script), "--config-name", "sd3_lora_dmd2", "-m", "trainer.seed=1,2"],
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert multirun.returncode == 2 and "hydra's own flags are not taken here" in multirun.stderr, (
+        multirun.stderr
+    )
     assert typo.returncode == 2 and "did you mean 'prepare.prompts'" in typo.stderr, typo.stderr
 
 
@@ -226,18 +241,48 @@ def test_a_killed_prepare_resumes_to_the_bytes_of_an_uninterrupted_one(sd3, prom
     )
 
 
+def run_group(command: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """`command` in its own process group, the whole group killed if it outlives `timeout` (torchrun's ranks
+    would otherwise outlive a killed torchrun)."""
+    import signal
+
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                               start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        out, err = process.communicate()
+        pytest.fail(f"{command[:6]} ran past {timeout} s: {err[-2000:]}")
+    return subprocess.CompletedProcess(command, process.returncode, out, err)
+
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            "-m", "verl_dmd.prepare_main", "--config-name", "sd3_lora_dmd2"]  # fmt: skip
+
+
 @pytest.mark.slow
-def test_two_ranks_under_torchrun_make_the_same_data_set(sd3, prompts, tmp_path):
+def test_two_ranks_under_torchrun_make_the_same_data_set_and_name_a_failing_rank(sd3, prompts, tmp_path):
     single, split = tmp_path / "single", tmp_path / "split"
     assert run_prepare("sd3", prepare_overrides("sd3", sd3, single, prompts))[0] == 0
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "verl_dmd.prepare_main", "--config-name", "sd3_lora_dmd2",
-         *prepare_overrides("sd3", sd3, split, prompts)],
-        capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
+    result = run_group([*TORCHRUN, *prepare_overrides("sd3", sd3, split, prompts)], timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert digests(split) == digests(single)
+    # A truncated image passes the header check and breaks only when rank 1 (which makes the real shard)
+    # decodes it: rank 1 says what and where, rank 0 that rank 1 failed, both exit 2.
+    images = write_captioned_images(tmp_path / "images", 3)
+    (images / "img1.png").write_bytes((images / "img1.png").read_bytes()[:60])
+    broken = run_group([*TORCHRUN, *prepare_overrides("sd3", sd3, tmp_path / "broken", prompts,
+                                                      **{"prepare.real_images": images})], timeout=300)  # fmt: skip
+    lines = [line for line in broken.stderr.splitlines() if line.startswith("verl-dmd-prepare: error")]
+    assert broken.returncode != 0 and len(lines) == 2, broken.stderr[-3000:]
+    assert any(line.startswith("verl-dmd-prepare: error (rank 1): ") and "img1.png is not a readable image" in line
+               for line in lines), lines  # fmt: skip
+    assert any(line.startswith("verl-dmd-prepare: error: rank 1 of 2: ") for line in lines), lines
+    # torchrun prints its own traceback for a child that exited non-zero; none comes from verl_dmd.
+    assert not [
+        line for line in broken.stderr.splitlines() if line.strip().startswith("File") and "verl_dmd" in line
+    ]
 
 
 # --------------------------------------------------------------------------- the trainer checks the data set
@@ -257,8 +302,8 @@ def _refusal(sd3: Path, data: Path, tmp_path: Path, **extra) -> str:
     with pytest.raises(ValueError) as caught:
         EmbeddingsProvider.preflight(plan)
     message = str(caught.value)
-    assert ("\n" not in message and "fix:" in message and message.startswith("config key 'data.path'")) or \
-        message.startswith("config key 'data.regression_pairs_path'"), message  # fmt: skip
+    assert "\n" not in message and "fix:" in message, message
+    assert message.startswith(("config key 'data.path'", "config key 'data.regression_pairs_path'")), message
     return message
 
 
@@ -284,6 +329,14 @@ def test_the_trainer_refuses_a_data_set_made_for_something_else(sd3, prepared, t
         build_pipeline("sd3", tmp_path / "seed1", seed=1) / "text_encoder_3", other / "text_encoder_3"
     )
     assert "encoded by other text_encoder_3 weights" in _refusal(other, prepared, tmp_path)
+    # Another tokenizer (here: its stored length changed) encodes differently, weights unchanged.
+    retokenized = tmp_path / "retokenized"
+    shutil.copytree(sd3, retokenized)
+    config = retokenized / "tokenizer" / "tokenizer_config.json"
+    config.write_text(config.read_text().replace('"model_max_length": 77', '"model_max_length": 60'))
+    assert "encoded with other tokenizer files (config, tokenizer)" in _refusal(
+        retokenized, prepared, tmp_path
+    )
     # Another pipeline class at model.teacher.path.
     flux = build_pipeline("flux", tmp_path / "flux")
     message = _refusal(flux, prepared, tmp_path, **{"model.adapter": "flux"})

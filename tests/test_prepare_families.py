@@ -12,6 +12,7 @@ ragged (variable length with a mask).
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -48,8 +49,12 @@ EXTRAS = {
 
 
 def serving_embeddings(family: str, pipe, prompts: list[str]) -> tuple[dict[str, torch.Tensor], dict]:
-    """What the pipeline's own encode_prompt gives a request for `prompts` with its defaults: the prompts'
-    embeddings, and the negative (empty) prompt's."""
+    """What the pipeline's own encode_prompt gives a request for `prompts` (its __call__'s defaults, which pass
+    max_sequence_length on): the prompts' embeddings, and the negative (empty) prompt's."""
+    import inspect
+
+    length = inspect.signature(type(pipe).__call__).parameters["max_sequence_length"].default
+    pipe.encode_prompt = functools.partial(pipe.encode_prompt, max_sequence_length=length)
     with torch.no_grad():
         if family == "sd3":  # prompt_2/prompt_3 default to prompt; the negative is encoded alongside
             embeds, negative, pooled, negative_pooled = pipe.encode_prompt(prompts, None, None)

@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
+OTHER_WEIGHT_SUFFIXES = (".msgpack", ".h5", ".onnx", ".ckpt", ".pt", ".pth", ".gguf")
+"""Weights of other frameworks a model folder may also hold; diffusers and transformers load neither here."""
 CACHE_FILE = "weights-sha256.json"
 
 
@@ -106,6 +108,18 @@ def weights_sha256(folder: Path) -> str:
     entries[key] = {"stats": stats, "sha256": value}
     _write_cache(cache_path, entries)
     return value
+
+
+def config_files_sha256(folder: Path) -> str:
+    """SHA-256 over every file of a folder tree that is not a weight file (configs, tokenizer files): each
+    file's relative path then its bytes, in path order. Small files: not cached."""
+    folder = Path(folder)
+    digest = hashlib.sha256()
+    skipped = WEIGHT_SUFFIXES + OTHER_WEIGHT_SUFFIXES
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and not p.name.endswith(skipped)):
+        digest.update(str(path.relative_to(folder)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
 
 
 def model_sha256(path: str | None, subfolder: str | None, config: Mapping[str, Any] | None) -> str:

@@ -21,6 +21,9 @@ import sys
 from collections.abc import Callable
 
 PROG = "verl-dmd-prepare"
+PROCESS_GROUP_TIMEOUT_H = 48
+"""How long a rank waits for the others at a stage boundary (torchrun runs): a rank that resumed with its
+shards done waits for a whole stage of the others; a rank that fails makes the others leave at once."""
 USAGE = (
     f"{PROG}: encode prompts with a pipeline's own text encoders into the data set a verl-dmd run trains on\n"
     f"  {PROG} --config-name RECIPE model.teacher.path=PIPELINE data.path=OUT prepare.prompts=FILE [key=value ...]\n"
@@ -36,7 +39,7 @@ def run(cfg, *, log: Callable[[str], None] | None = None, fault: Callable[[str],
 
     from verl_dmd.data.prepared import DatasetError
     from verl_dmd.plan import DistillationPlan, PlanError
-    from verl_dmd.prepare.job import PrepareError, PrepareJob
+    from verl_dmd.prepare.job import PrepareError, PrepareJob, RankFailure
 
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if world_size > 1:
@@ -44,14 +47,19 @@ def run(cfg, *, log: Callable[[str], None] | None = None, fault: Callable[[str],
 
         import torch.distributed as dist
 
-        dist.init_process_group("gloo", timeout=datetime.timedelta(hours=2))
+        # Ranks wait for each other between stages; one whose shards were made before waits a whole stage.
+        dist.init_process_group("gloo", timeout=datetime.timedelta(hours=PROCESS_GROUP_TIMEOUT_H))
     _quiet_libraries()
     try:
         plan = DistillationPlan.from_config(cfg)
         PrepareJob(plan, log=log, fault=fault).run()
-    except (PlanError, PrepareError, DatasetError) as err:
-        if rank == 0:
-            print(f"{PROG}: error: {err}", file=sys.stderr, flush=True)
+    except (PlanError, PrepareError, DatasetError, ValueError, OSError) as err:
+        # With several ranks, a rank's own error is printed by that rank (tagged), the agreed one by rank 0.
+        agreed = isinstance(err, RankFailure)
+        if world_size == 1 or rank == 0 or not agreed:
+            tag = f" (rank {rank})" if world_size > 1 and not agreed else ""
+            text = str(err).splitlines()[0] if str(err) else type(err).__name__
+            print(f"{PROG}: error{tag}: {text}", file=sys.stderr, flush=True)
         return 2
     finally:
         if world_size > 1:
@@ -86,9 +94,10 @@ def cli() -> None:
     except PlanError as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         sys.exit(2)
-    if cfg is None:  # hydra's own flags (--cfg job, --info, ...): hydra answers them
-        _hydra_main()
-        return
+    if cfg is None:  # hydra's own flags (--cfg, --info, -m, ...): they would run hydra's app, the trainer
+        print(f"{PROG}: error: hydra's own flags are not taken here; fix: `{PROG} --help`, or "
+              "`verl-dmd --cfg job ...` with the same overrides to see the composed config", file=sys.stderr)  # fmt: skip
+        sys.exit(2)
     code = run(cfg)
     if code:
         sys.exit(code)

@@ -54,6 +54,7 @@ from verl_dmd.data.prepared import (
 from verl_dmd.prepare.sources import (
     CaptionedImage,
     SourceError,
+    check_image,
     list_captioned_images,
     load_pixels,
     read_prompts,
@@ -65,6 +66,11 @@ TOKENIZER_PREFIX = "tokenizer"
 
 class PrepareError(ValueError):
     """An input of verl-dmd-prepare that cannot be used; the message is one line naming it and the fix."""
+
+
+class RankFailure(PrepareError):
+    """Raised on every rank when the ranks agree that one of them failed (the message names it); each rank's own
+    failure was already reported where it happened."""
 
 
 # --------------------------------------------------------------------------- inputs
@@ -129,14 +135,15 @@ def _json_file(path: Path, what: str) -> dict[str, Any]:
 
 
 def default_max_sequence_length(pipeline_class: str) -> int:
-    """The max_sequence_length default of the pipeline class's encode_prompt (what a request is served with)."""
+    """The max_sequence_length a request to the pipeline is served with: the default of its ``__call__``
+    (Wan's and Qwen-Image's encode_prompt default to other lengths, 226 and 1024, than their calls, 512)."""
     import diffusers
 
-    parameter = inspect.signature(getattr(diffusers, pipeline_class).encode_prompt).parameters.get(
+    parameter = inspect.signature(getattr(diffusers, pipeline_class).__call__).parameters.get(
         "max_sequence_length"
     )
     if parameter is None or not isinstance(parameter.default, int):
-        raise PrepareError(f"{pipeline_class}.encode_prompt has no max_sequence_length default; fix: set "
+        raise PrepareError(f"{pipeline_class}.__call__ has no max_sequence_length default; fix: set "
                            "prepare.max_sequence_length")  # fmt: skip
     return parameter.default
 
@@ -202,6 +209,8 @@ def resolve_inputs(plan) -> Inputs:
             else None
         )
         real = list_captioned_images(prep.real_images) if prep.real_images else []
+        for item in real:
+            check_image(item, prep.num_frames)
     except SourceError as err:
         raise PrepareError(str(err)) from None
     length = prep.max_sequence_length or default_max_sequence_length(cls)
@@ -220,17 +229,44 @@ def _list_sha256(values: list[str]) -> str:
     return hashlib.sha256(canonical_json(values).encode()).hexdigest()
 
 
-def build_intent(plan, inputs: Inputs) -> dict[str, Any]:
-    """What the data set is, as JSON: everything that changes a byte of it. Equal intents, equal data sets."""
-    from verl_dmd.digests import file_sha256, weights_sha256
+def text_components(adapter) -> list[str]:
+    """The pipeline components prompts go through: the adapter's text encoders and their tokenizers."""
+    encoders = list(adapter.text_encoders)
+    return encoders + [name.replace("text_encoder", TOKENIZER_PREFIX) for name in encoders]
+
+
+def build_intent(plan, inputs: Inputs, device: torch.device) -> dict[str, Any]:
+    """What the data set is, as JSON: everything that changes a byte of it. Equal intents, equal data sets.
+
+    Besides the settings: the weights' digests of the text encoders (and of the VAE and teacher when used),
+    the digests of every other file of the components used (configs, tokenizer files: a VAE's scaling
+    factor or a tokenizer's length changes the bytes as much as a weight does), and where and with what
+    the encoding runs (device type, torch, diffusers, transformers), so that a stopped run is continued
+    only where it makes the same bytes."""
+    import diffusers
+    import transformers
+
+    from verl_dmd.digests import config_files_sha256, file_sha256, weights_sha256
 
     prep, root = plan.prepare, inputs.pipeline_dir
     encoders = {name: weights_sha256(root / name) for name in inputs.adapter.text_encoders}
+    used = text_components(inputs.adapter)
+    if inputs.real:
+        used.append("vae")
+    if prep.teacher_pairs:
+        used.append(plan.model.teacher.subfolder)
     intent: dict[str, Any] = {
         "format": FORMAT,
         "adapter": plan.model.adapter,
         "pipeline_class": inputs.pipeline_class,
         "text_encoders": encoders,
+        "component_files": {name: config_files_sha256(root / name) for name in used},
+        "environment": {
+            "device": device.type,
+            "torch": torch.__version__,
+            "diffusers": diffusers.__version__,
+            "transformers": transformers.__version__,
+        },
         "encoding": {
             "call": f"{inputs.pipeline_class}.encode_prompt",
             "max_sequence_length": inputs.max_sequence_length,
@@ -404,73 +440,109 @@ class PrepareJob:
     # -- the run
 
     def run(self) -> Path:
+        """Every stage of this rank's share; between stages the ranks agree that none failed (a failure on any
+        rank is a PrepareError naming it on every rank, so no rank waits for one that left)."""
         started = time.perf_counter()
-        intent = build_intent(self.plan, self.inputs)
+        intent = build_intent(self.plan, self.inputs, self.device)
         self.id = dataset_id(intent)
-        if self._open_directory(intent):
+        complete = self._stage(self._open_directory, intent) if self.rank == 0 else None
+        complete = self._agree(complete)
+        if complete:
+            self._say(f"prepare: {self.out} is complete already (the same data set); nothing to do")
             return self.out
-        self._barrier()
+        if self.rank != 0:  # rank 0 wrote or checked prepare.json: every rank must mean the same data set
+            self._stage(self._same_intent, intent)
+        self._agree()
         text, pairs = self.mine(self.text_work()), self.mine(self.pair_work())
         done_before = len(self.text_work()) + len(self.pair_work()) - self._missing_total()
-        if done_before and self.rank == 0:
-            self.log(f"prepare: continuing {self.out}: {done_before} file(s) made before are kept")
+        if done_before:
+            self._say(f"prepare: continuing {self.out}: {done_before} file(s) made before are kept")
         if text:
-            self._text_stage(text)
-        self._barrier()
+            self._stage(self._text_stage, text)
+        self._agree()
         if pairs:
-            self._pairs_stage(pairs)
-        self._barrier()
+            self._stage(self._pairs_stage, pairs)
+        self._agree()
         if self.rank == 0:
-            self._write_manifest(intent)
-            self.log(f"prepare: done in {time.perf_counter() - started:.1f} s: {len(self.inputs.prompts)} prompt(s), "
-                     f"latent shape {list(self.inputs.latent_shape)}, data set {self.out}")  # fmt: skip
-        self._barrier()
+            self._stage(self._write_manifest, intent)
+        self._agree()
+        self._say(f"prepare: done in {time.perf_counter() - started:.1f} s: {len(self.inputs.prompts)} prompt(s), "
+                  f"latent shape {list(self.inputs.latent_shape)}, data set {self.out}")  # fmt: skip
         return self.out
 
     def _missing_total(self) -> int:
         return sum(not (self.out / w.file).is_file() for w in [*self.text_work(), *self.pair_work()])
 
-    def _barrier(self) -> None:
-        if self.world_size > 1:
-            import torch.distributed as dist
+    def _stage(self, work: Callable, *args):
+        """Run one stage of this rank; a failure is kept (not raised) until the ranks next agree."""
+        try:
+            return work(*args)
+        except (PrepareError, DatasetError, SourceError) as err:
+            self._failure = str(err)
+        except Exception as err:  # a bug or a broken file: its traceback on this rank, one line everywhere
+            import traceback
 
-            dist.barrier()
+            traceback.print_exc()
+            self._failure = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        return None
+
+    def _agree(self, value: Any = None) -> Any:
+        """Wait for every rank; raise PrepareError if any rank failed since the last agreement (naming the first
+        failed rank and its error), else return rank 0's `value`."""
+        failure, self._failure = getattr(self, "_failure", None), None
+        if self.world_size == 1:
+            if failure is not None:
+                raise PrepareError(failure)
+            return value
+        import torch.distributed as dist
+
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, (failure, value))
+        if failure is not None:  # this rank's own failure: it reports it itself
+            raise PrepareError(failure)
+        for rank, (error, _) in enumerate(gathered):
+            if error is not None:
+                raise RankFailure(f"rank {rank} of {self.world_size}: {error}")
+        return gathered[0][1]
 
     def _open_directory(self, intent: dict[str, Any]) -> bool:
-        """Check data.path (rank 0 writes prepare.json); True when the same data set is complete already."""
+        """Rank 0: check data.path and write prepare.json; True when the same data set is complete already."""
         out = self.out
         manifest, recorded = out / MANIFEST, out / INTENT
         if manifest.is_file() or recorded.is_file():
             theirs = _json_file(manifest if manifest.is_file() else recorded, "data set description")
-            theirs = theirs.get("intent", theirs)
-            changed = differences(intent, theirs)
-            if changed:
-                raise PrepareError(f"config key 'data.path' = {str(out)!r} holds another data set (differs in: "
-                                   f"{', '.join(changed[:6])}{' ...' if len(changed) > 6 else ''}); fix: another "
-                                   "data.path, or delete that directory to replace it")  # fmt: skip
+            self._check_same(intent, theirs.get("intent", theirs))
             if manifest.is_file():
-                self._say(f"prepare: {out} is complete already (the same data set); nothing to do")
                 return True
-        elif out.exists() and (not out.is_dir() or any(out.iterdir())):
+        elif out.exists() and (not out.is_dir() or any(p for p in out.iterdir() if not _is_staging(p))):
             what = "is a file" if not out.is_dir() else "holds files that are no verl_dmd data set"
             raise PrepareError(
                 f"config key 'data.path' = {str(out)!r} {what}; fix: an empty or new directory"
             )
-        if self.rank == 0:
-            try:
-                out.mkdir(parents=True, exist_ok=True)
-            except OSError as err:
-                raise PrepareError(f"config key 'data.path' = {str(out)!r}: cannot create it ({err.strerror}); "
-                                   "fix: a writable location") from None  # fmt: skip
-            if not os.access(out, os.W_OK):
-                raise PrepareError(
-                    f"config key 'data.path' = {str(out)!r} is not writable; fix: a writable location"
-                )
-            for path in remove_staging_files(out):
-                self.log(f"prepare: removed {path.name} (a file a stopped run left half-written)")
-            if not recorded.is_file():
-                write_atomic_json(recorded, intent)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise PrepareError(f"config key 'data.path' = {str(out)!r}: cannot create it ({err.strerror}); "
+                               "fix: a writable location") from None  # fmt: skip
+        if not os.access(out, os.W_OK):
+            raise PrepareError(
+                f"config key 'data.path' = {str(out)!r} is not writable; fix: a writable location"
+            )
+        for path in remove_staging_files(out):
+            self.log(f"prepare: removed {path.name} (a file a stopped run left half-written)")
+        if not recorded.is_file():
+            write_atomic_json(recorded, intent)
         return False
+
+    def _check_same(self, intent: dict[str, Any], theirs: dict[str, Any]) -> None:
+        changed = differences(intent, theirs)
+        if changed:
+            raise PrepareError(f"config key 'data.path' = {str(self.out)!r} holds another data set (differs in: "
+                               f"{', '.join(changed[:6])}{' ...' if len(changed) > 6 else ''}); fix: another "
+                               "data.path, or delete that directory to replace it")  # fmt: skip
+
+    def _same_intent(self, intent: dict[str, Any]) -> None:
+        self._check_same(intent, _json_file(self.out / INTENT, "data set description"))
 
     def _publish(self, work: Work, tensors: dict[str, torch.Tensor], prompts: list[str] | None) -> None:
         metadata = {"dataset_id": self.id, "part": work.part, "index": work.index, "first_row": work.rows.start,
@@ -483,6 +555,17 @@ class PrepareJob:
 
     # -- stage 1: text (and VAE for real images)
 
+    def _loaded(self, what: str, load: Callable[[], Any]) -> Any:
+        """`load()`, with a failure (a damaged or partly downloaded file, a git-LFS pointer, a class this
+        diffusers lacks) as one line naming what and where."""
+        try:
+            return load()
+        except Exception as err:
+            first = str(err).splitlines()[0] if str(err) else ""
+            raise PrepareError(f"config key 'model.teacher.path' = {str(self.inputs.pipeline_dir)!r}: its {what} could "
+                               f"not be loaded ({type(err).__name__}: {first}); fix: a complete pipeline directory "
+                               "(weights downloaded, not git-LFS pointers)") from None  # fmt: skip
+
     def _load_text_pipeline(self):
         import diffusers
 
@@ -490,17 +573,16 @@ class PrepareJob:
         keep = set(inputs.adapter.text_encoders) | {n.replace("text_encoder", TOKENIZER_PREFIX)
                                                     for n in inputs.adapter.text_encoders} | {"scheduler"}  # fmt: skip
         skipped = {name: None for name in inputs.components if name not in keep}
-        pipe = diffusers.DiffusionPipeline.from_pretrained(
-            str(inputs.pipeline_dir), dtype=self.dtype, local_files_only=True, **skipped
-        )
+        pipe = self._loaded("text encoders", lambda: diffusers.DiffusionPipeline.from_pretrained(
+            str(inputs.pipeline_dir), dtype=self.dtype, local_files_only=True, **skipped))  # fmt: skip
         return pipe.to(self.device)
 
     def _load_vae(self):
         import diffusers
 
         _library, cls = self.inputs.components["vae"]
-        vae = getattr(diffusers, cls).from_pretrained(str(self.inputs.pipeline_dir), subfolder="vae",
-                                                      dtype=self.dtype, local_files_only=True)  # fmt: skip
+        vae = self._loaded("VAE", lambda: getattr(diffusers, cls).from_pretrained(
+            str(self.inputs.pipeline_dir), subfolder="vae", dtype=self.dtype, local_files_only=True))  # fmt: skip
         return vae.to(self.device).eval()
 
     def _encode(self, pipe, prompts: list[str]) -> dict[str, torch.Tensor]:
@@ -594,11 +676,10 @@ class PrepareJob:
         inputs, intent_pairs = self.inputs, pair_settings(self.plan, self.inputs.adapter)
         self._say(f"prepare: teacher pairs ({self.prep.pair_steps} Euler steps, guidance {intent_pairs['guidance']}, "
                   f"shift {intent_pairs['shift']}) on {self.device} in {self.prep.dtype}")  # fmt: skip
-        teacher = (
-            inputs.adapter.build_model(ModelSource.of(self.plan.model.teacher))
-            .to(self.device, self.dtype)
-            .eval()
+        teacher = self._loaded(
+            "teacher", lambda: inputs.adapter.build_model(ModelSource.of(self.plan.model.teacher))
         )
+        teacher = teacher.to(self.device, self.dtype).eval()
         uncond = safetensors.torch.load_file(self.out / UNCOND_FILE)
         progress = Progress("teacher pairs", sum(len(w.rows) for w in work), self.log, enabled=self.rank == 0)
         for item in work:
@@ -663,6 +744,11 @@ def pair_settings(plan, adapter) -> dict[str, Any]:
         "seed": plan.trainer.seed,
         "sigma_max": float(adapter.sigma_max),
     }
+
+
+def _is_staging(path: Path) -> bool:
+    """A temporary file of a writer that stopped (removed when the run continues)."""
+    return path.name.startswith(".") and path.name.endswith(".tmp")
 
 
 def _pad_rows(tensor: torch.Tensor, length: int) -> torch.Tensor:

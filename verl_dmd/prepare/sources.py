@@ -162,6 +162,22 @@ def list_captioned_images(folder: str | Path, *, key: str = "prepare.real_images
     return out
 
 
+def check_image(item: CaptionedImage, num_frames: int | None, *, key: str = "prepare.real_images") -> None:
+    """The image opens (its header only) and, for video, has at least `num_frames` frames: checked before any
+    encoding starts, so a broken file does not stop a run hours in."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(item.path) as image:
+            frames = getattr(image, "n_frames", 1)
+    except (UnidentifiedImageError, OSError) as err:
+        raise SourceError(f"config key '{key}': {item.path.name} is not a readable image ({err}); fix: remove or "
+                          "replace it") from None  # fmt: skip
+    if num_frames is not None and frames < num_frames:
+        raise SourceError(f"config key '{key}': {item.path.name} has {frames} frame(s), the data set's videos have "
+                          f"prepare.num_frames = {num_frames}; fix: use longer clips or fewer frames")  # fmt: skip
+
+
 def load_pixels(item: CaptionedImage, height: int, width: int, *, transform: str, num_frames: int | None,
                 key: str = "prepare.real_images") -> torch.Tensor:  # fmt: skip
     """Pixels in [-1, 1]: (3, H, W) for an image, (3, F, H, W) for the first `num_frames` frames of an animated

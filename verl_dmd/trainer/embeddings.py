@@ -188,21 +188,23 @@ class EmbeddingsProvider:
         self._real_order: tuple[int, torch.Tensor] | None = None
 
     def _open_prepared(self, dataset, *, uses_pairs: bool, uses_real: bool) -> None:
+        from verl_dmd.data.prepared import DatasetError
+
         ragged, what = dataset.ragged, str(dataset.root)
         self.latent_shape = dataset.latent_shape
         self.prompts = RowTable(dataset.files("prompts"), _prefixed(ragged, "cond."), what=what)
         self.prompt_keys = self.prompts.keys
         self.uncond = RowTable(dataset.files("uncond"), _prefixed(ragged, "uncond."), what=what)
         if len(self.prompts) != dataset.manifest["prompt_count"]:
-            raise ValueError(f"{dataset.root}: {len(self.prompts)} prompt rows, the manifest says "
+            raise DatasetError(f"{dataset.root}: {len(self.prompts)} prompt rows, the manifest says "
                              f"{dataset.manifest['prompt_count']}; fix: prepare the data set again")  # fmt: skip
         if uses_pairs:
             if not dataset.files("pairs"):
-                raise ValueError("algorithm.regression_weight > 0 needs teacher pairs, this data set has none; fix: "
+                raise DatasetError("algorithm.regression_weight > 0 needs teacher pairs, this data set has none; fix: "
                                  "run verl-dmd-prepare with prepare.teacher_pairs=true into a new data.path")  # fmt: skip
             self.pairs = RowTable(dataset.files("pairs"), what=what)
             if len(self.pairs) != len(self.prompts):
-                raise ValueError(
+                raise DatasetError(
                     f"{dataset.root}: {len(self.pairs)} teacher pairs for {len(self.prompts)} prompts"
                 )
         if uses_real and dataset.files("real"):
@@ -304,13 +306,13 @@ class EmbeddingsProvider:
 
 def check_against_plan(dataset, plan) -> None:
     """Refuse (ValueError, one line naming what differs) a prepared data set made for another pipeline, other
-    encoder weights, another size or other text settings than this plan's, or teacher pairs / real images
-    made with another teacher, guidance, shift or VAE than the run would use."""
-    import json
-
+    encoder weights or tokenizer files, another size or other text settings than this plan's, or teacher
+    pairs / real images made with another teacher, guidance, shift or VAE than the run would use. The
+    `prepare.*` keys are compared where the plan sets them (resolution with num_frames, max_sequence_length,
+    guidance_embedding, a non-empty negative_prompt)."""
     from verl_dmd.adapters import get_adapter
     from verl_dmd.data.prepared import teacher_pipeline
-    from verl_dmd.digests import model_sha256, weights_sha256
+    from verl_dmd.digests import config_files_sha256, model_sha256, weights_sha256
     from verl_dmd.prepare.job import pair_settings
 
     intent, root = dataset.intent, dataset.root
@@ -325,27 +327,8 @@ def check_against_plan(dataset, plan) -> None:
                      f"{', '.join(adapter.pipeline_classes) or 'no pipeline'}")  # fmt: skip
     pipeline = teacher_pipeline(plan)
     if pipeline is not None:
-        index = json.loads((pipeline / "model_index.json").read_text())
-        if index.get("_class_name") != intent["pipeline_class"]:
-            raise refuse(
-                f"made from a {intent['pipeline_class']}, model.teacher.path holds a {index.get('_class_name')}"
-            )
-        for name, digest in intent["text_encoders"].items():
-            if not (pipeline / name).is_dir() or weights_sha256(pipeline / name) != digest:
-                raise refuse(
-                    f"its prompts were encoded by other {name} weights than those in model.teacher.path"
-                )
-        vae = json.loads((pipeline / "vae" / "config.json").read_text())
-        transformer = json.loads((pipeline / plan.model.teacher.subfolder / "config.json").read_text())
-        height, width = intent["resolution"]
-        try:
-            shape = list(adapter.latent_shape(vae, transformer, height, width, intent["num_frames"]))
-        except (ValueError, KeyError) as err:
-            raise refuse(f"its resolution does not fit the teacher's pipeline ({err})") from None
-        if shape != list(dataset.latent_shape):
-            raise refuse(f"latent shape {list(dataset.latent_shape)}, the teacher's pipeline makes {shape} at "
-                         f"{height}x{width}")  # fmt: skip
-    prep = plan.prepare
+        _check_pipeline(pipeline, plan, adapter, dataset, refuse)
+    prep, encoding = plan.prepare, intent["encoding"]
     if prep.resolution is not None and list(prep.resolution) != intent["resolution"]:
         raise refuse(
             f"prepared at prepare.resolution = {intent['resolution']}, this plan has {list(prep.resolution)}"
@@ -354,10 +337,20 @@ def check_against_plan(dataset, plan) -> None:
         raise refuse(
             f"prepared with prepare.num_frames = {intent['num_frames']}, this plan has {prep.num_frames}"
         )
-    length = intent["encoding"]["max_sequence_length"]
-    if prep.max_sequence_length is not None and prep.max_sequence_length != length:
-        raise refuse(f"prepared with max_sequence_length = {length}, this plan has prepare.max_sequence_length = "
-                     f"{prep.max_sequence_length}")  # fmt: skip
+    if prep.max_sequence_length is not None and prep.max_sequence_length != encoding["max_sequence_length"]:
+        raise refuse(f"prepared with max_sequence_length = {encoding['max_sequence_length']}, this plan has "
+                     f"prepare.max_sequence_length = {prep.max_sequence_length}")  # fmt: skip
+    if prep.negative_prompt and prep.negative_prompt != encoding["negative_prompt"]:
+        raise refuse(f"its negative prompt is {encoding['negative_prompt']!r}, this plan has prepare.negative_prompt "
+                     f"= {prep.negative_prompt!r}")  # fmt: skip
+    constant = encoding.get("constant_cond", {})
+    if (
+        prep.guidance_embedding is not None
+        and "guidance" in constant
+        and constant["guidance"] != prep.guidance_embedding
+    ):
+        raise refuse(f"its guidance embedding (cond.guidance) is {constant['guidance']}, this plan has "
+                     f"prepare.guidance_embedding = {prep.guidance_embedding}")  # fmt: skip
     pairs = intent.get("pairs")
     if plan.algorithm.regression_weight > 0 and pairs is not None:
         teacher = plan.model.teacher
@@ -370,5 +363,56 @@ def check_against_plan(dataset, plan) -> None:
                              f"{wanted[key]}")  # fmt: skip
     real = intent.get("real")
     uses_real = plan.algorithm.gan_discriminator_weight > 0 and real is not None and pipeline is not None
-    if uses_real and weights_sha256(pipeline / "vae") != real["vae"]:
-        raise refuse("its real images were encoded by another VAE than the one in model.teacher.path")
+    if uses_real and (weights_sha256(pipeline / "vae") != real["vae"]
+                      or config_files_sha256(pipeline / "vae") != intent["component_files"].get("vae")):  # fmt: skip
+        raise refuse("its real images were encoded by another VAE (weights or config) than the one in "
+                     "model.teacher.path")  # fmt: skip
+
+
+def _check_pipeline(pipeline: Path, plan, adapter, dataset, refuse) -> None:
+    """The data set against the teacher's pipeline directory: its class, its text encoders' weights and files,
+    and the latent shape its VAE and transformer make at the prepared size."""
+    import json
+
+    from verl_dmd.digests import config_files_sha256, weights_sha256
+    from verl_dmd.prepare.job import text_components
+
+    intent = dataset.intent
+
+    def read(relative: str) -> dict:
+        try:
+            return json.loads((pipeline / relative).read_text())
+        except (OSError, ValueError) as err:
+            raise refuse(f"model.teacher.path has no readable {relative} ({type(err).__name__}) to check it "
+                         "against") from None  # fmt: skip
+
+    index = read("model_index.json")
+    if index.get("_class_name") != intent["pipeline_class"]:
+        raise refuse(
+            f"made from a {intent['pipeline_class']}, model.teacher.path holds a {index.get('_class_name')}"
+        )
+    recorded = intent.get("component_files", {})
+    for name in text_components(adapter):
+        folder = pipeline / name
+        if name in intent["text_encoders"]:
+            try:
+                same = folder.is_dir() and weights_sha256(folder) == intent["text_encoders"][name]
+            except ValueError:
+                same = False
+            if not same:
+                raise refuse(
+                    f"its prompts were encoded by other {name} weights than those in model.teacher.path"
+                )
+        if name in recorded and (not folder.is_dir() or config_files_sha256(folder) != recorded[name]):
+            raise refuse(f"its prompts were encoded with other {name} files (config, tokenizer) than those in "
+                         "model.teacher.path")  # fmt: skip
+    vae = read("vae/config.json")
+    transformer = read(f"{plan.model.teacher.subfolder}/config.json")
+    height, width = intent["resolution"]
+    try:
+        shape = list(adapter.latent_shape(vae, transformer, height, width, intent["num_frames"]))
+    except (ValueError, KeyError) as err:
+        raise refuse(f"its resolution does not fit the teacher's pipeline ({err})") from None
+    if shape != list(dataset.latent_shape):
+        raise refuse(f"latent shape {list(dataset.latent_shape)}, the teacher's pipeline makes {shape} at "
+                     f"{height}x{width}")  # fmt: skip

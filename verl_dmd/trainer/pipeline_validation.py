@@ -64,6 +64,15 @@ class PipelineValidator:
     """Decoded samples of the teacher and the student roles; see the module docstring."""
 
     @classmethod
+    def preflight(cls, plan) -> None:
+        """Asked for by name (validation.name=pipeline), it must have something to sample: checked before any
+        worker starts. As the embeddings provider's default it steps aside instead (see from_plan)."""
+        reason = _unavailable(plan)
+        if reason is not None and plan.validation.name == "pipeline":
+            raise ValueError(f"config key 'validation.name' = 'pipeline': {reason}; fix: prepare the data set with "
+                             "verl-dmd-prepare from the teacher's pipeline, or another validator")  # fmt: skip
+
+    @classmethod
     def from_plan(cls, plan, group, info) -> PipelineValidator:
         reason = _unavailable(plan)
         if reason is not None:
