@@ -684,8 +684,8 @@ class PrepareSpec:
     num_frames: int | None = None
     """Frames per video (Wan: 4k + 1, e.g. 81); null for image families."""
     max_sequence_length: int | None = None
-    """Text tokens kept per prompt; null: the pipeline's own encode_prompt default (what serving uses:
-    SD3 256, Flux 512, Qwen-Image 1024, Wan 226)."""
+    """Text tokens kept per prompt; null: what a request to the pipeline gets, its __call__'s default
+    (SD3 256, Flux 512, Qwen-Image 512, Wan 512)."""
     guidance_embedding: float | None = None
     """Flux-dev's guidance-embedding value, written as cond.guidance; null: FluxPipeline's default 3.5.
     Ignored by families without a guidance embedding."""
