@@ -1,6 +1,7 @@
-"""Two identical runs write identical checkpoints, every file byte for byte; a run moved to another
-output directory resumes (its teacher pairs are identified by what made them, not by their path) and
-ends with the checkpoint the uninterrupted run wrote, byte for byte. One rank, no ray (`--local`); the
+"""Two identical runs write identical checkpoints, every file byte for byte (one of them stopped at its
+first checkpoint); that run, moved to another output directory, resumes (its teacher pairs are
+identified by what made them, not by their path) and ends with the checkpoint the uninterrupted run
+wrote, byte for byte. One rank, no ray (`--local`); the
 2-worker ray case is in tests/test_ray_trainer.py."""
 
 from __future__ import annotations
@@ -45,16 +46,13 @@ def files_of(checkpoint: Path) -> dict[str, bytes]:
 
 
 def test_identical_runs_write_identical_checkpoints_and_a_moved_run_resumes_bit_for_bit(tmp_path):
-    first, second = tmp_path / "first", tmp_path / "second"
+    first, interrupted, moved = tmp_path / "first", tmp_path / "interrupted", tmp_path / "moved"
     local_run(first, 4)
-    local_run(second, 4)
-    for step in (2, 4):
-        a, b = (files_of(run / "checkpoints" / f"global_step_{step}") for run in (first, second))
-        assert sorted(a) == sorted(b)
-        assert [name for name in a if a[name] != b[name]] == [], step  # every file, byte for byte
+    local_run(interrupted, 2)  # the same run, another process, stopped at its step-2 checkpoint
+    a, b = (files_of(run / "checkpoints" / "global_step_2") for run in (first, interrupted))
+    assert sorted(a) == sorted(b)
+    assert [name for name in a if a[name] != b[name]] == []  # every file, byte for byte
 
-    interrupted, moved = tmp_path / "interrupted", tmp_path / "moved"
-    local_run(interrupted, 2)
     shutil.move(interrupted, moved)  # the whole run, pairs and checkpoints, somewhere else
     result = local_run(moved, 4)
     assert f"resumed from {moved / 'checkpoints' / 'global_step_2'}" in result.stdout

@@ -39,7 +39,7 @@ def run(cfg, *, log: Callable[[str], None] | None = None, fault: Callable[[str],
 
     from verl_dmd.data.prepared import DatasetError
     from verl_dmd.plan import DistillationPlan, PlanError
-    from verl_dmd.prepare.job import PrepareError, PrepareJob, RankFailure
+    from verl_dmd.prepare.job import AgreedFailure, PrepareError, PrepareJob, RankFailure
 
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if world_size > 1:
@@ -54,12 +54,18 @@ def run(cfg, *, log: Callable[[str], None] | None = None, fault: Callable[[str],
         plan = DistillationPlan.from_config(cfg)
         PrepareJob(plan, log=log, fault=fault).run()
     except (PlanError, PrepareError, DatasetError, ValueError, OSError) as err:
-        # With several ranks, a rank's own error is printed by that rank (tagged), the agreed one by rank 0.
-        agreed = isinstance(err, RankFailure)
-        if world_size == 1 or rank == 0 or not agreed:
-            tag = f" (rank {rank})" if world_size > 1 and not agreed else ""
+        # With several ranks, a rank's own error is printed by that rank (tagged), another's by rank 0.
+        others = isinstance(err, RankFailure)
+        if world_size == 1 or rank == 0 or not others:
+            tag = f" (rank {rank})" if world_size > 1 and not others else ""
             text = str(err).splitlines()[0] if str(err) else type(err).__name__
-            print(f"{PROG}: error{tag}: {text}", file=sys.stderr, flush=True)
+            os.write(
+                2, f"{PROG}: error{tag}: {text}\n".encode()
+            )  # one write: lines of ranks do not interleave
+        if world_size > 1 and isinstance(err, AgreedFailure):
+            import torch.distributed as dist
+
+            dist.barrier()  # every rank has said its line before any exits (torchrun stops the rest at the first exit)
         return 2
     finally:
         if world_size > 1:

@@ -68,9 +68,17 @@ class PrepareError(ValueError):
     """An input of verl-dmd-prepare that cannot be used; the message is one line naming it and the fix."""
 
 
-class RankFailure(PrepareError):
+class AgreedFailure(PrepareError):
+    """A failure every rank knows of (they met after it): each leaves together, after saying what it knows."""
+
+
+class RankFailure(AgreedFailure):
     """Raised on every rank when the ranks agree that one of them failed (the message names it); each rank's own
     failure was already reported where it happened."""
+
+
+class OwnFailure(AgreedFailure):
+    """This rank's own failure, after the ranks agreed on it."""
 
 
 # --------------------------------------------------------------------------- inputs
@@ -499,7 +507,7 @@ class PrepareJob:
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, (failure, value))
         if failure is not None:  # this rank's own failure: it reports it itself
-            raise PrepareError(failure)
+            raise OwnFailure(failure)
         for rank, (error, _) in enumerate(gathered):
             if error is not None:
                 raise RankFailure(f"rank {rank} of {self.world_size}: {error}")
