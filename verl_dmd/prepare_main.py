@@ -59,9 +59,8 @@ def run(cfg, *, log: Callable[[str], None] | None = None, fault: Callable[[str],
         if world_size == 1 or rank == 0 or not others:
             tag = f" (rank {rank})" if world_size > 1 and not others else ""
             text = str(err).splitlines()[0] if str(err) else type(err).__name__
-            os.write(
-                2, f"{PROG}: error{tag}: {text}\n".encode()
-            )  # one write: lines of ranks do not interleave
+            sys.stderr.write(f"{PROG}: error{tag}: {text}\n")  # one write: the ranks' lines do not interleave
+            sys.stderr.flush()
         if world_size > 1 and isinstance(err, AgreedFailure):
             import torch.distributed as dist
 
