@@ -96,7 +96,7 @@ def main() -> int:
     for r in rows:
         v = r["validation_s"] + [float("nan")] * 2
         print(
-            f"| {r['family']} | {r['prompts']} | {r['prepare_s']} | {r['prompts_per_s']} | {v[0]:.0f} | {v[1]:.0f} | "
+            f"| {r['family']} | {r['prompts']} | {r['prepare_s']} | {r['prompts_per_s']} | {v[0]:.1f} | {v[1]:.1f} | "
             f"{r['teacher_row_s'][0] if r['teacher_row_s'] else '-'} |"
         )
     return 0
