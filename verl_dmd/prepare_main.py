@@ -66,6 +66,13 @@ def run(cfg, *, log: Callable[[str], None] | None = None, fault: Callable[[str],
 
             dist.barrier()  # every rank has said its line before any exits (torchrun stops the rest at the first exit)
         return 2
+    else:
+        if world_size > 1:
+            import torch.distributed as dist
+
+            # No rank tears its connections down while another still reads the last stage's exchange: gloo
+            # aborts the process ("terminate called without an active exception") when a peer closes under it.
+            dist.barrier()
     finally:
         if world_size > 1:
             import torch.distributed as dist
