@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -43,7 +44,9 @@ def fake_pipeline(directory, teacher_dir) -> str:
              "transformer": ["diffusers", "SD3Transformer2DModel"]}  # fmt: skip
     (directory / "model_index.json").write_text(json.dumps(index))
     (directory / "scheduler").mkdir()
-    (directory / "scheduler" / "scheduler_config.json").write_text('{"shift": 3.0}')
+    (directory / "scheduler" / "scheduler_config.json").write_text(
+        '{"_class_name": "FlowMatchEulerDiscreteScheduler", "shift": 3.0, "use_dynamic_shifting": true}'
+    )
     os.symlink(teacher_dir, directory / "transformer")
     return str(directory)
 
@@ -108,7 +111,15 @@ def test_lora_export_round_trips_through_peft_and_diffusers(tmp_path, layout, wo
         assert index["dmd2_config"] == {"num_inference_steps": 1, "denoising_timesteps": [1000.0],
                                         "solver": "sde", "guidance_scale": 1.0}  # fmt: skip
         assert index["transformer"] == ["diffusers", "SD3Transformer2DModel"]
-        assert (out / PIPELINE_DIR / "scheduler" / "scheduler_config.json").read_text() == '{"shift": 3.0}'
+        assert {k: index[k] for k in index if k.startswith("dmd2_") and k != "dmd2_config"} == {
+            "dmd2_num_inference_steps": 1, "dmd2_denoising_timesteps": [1000.0], "dmd2_guidance_scale": 1.0,
+            "dmd2_scheduler_shift": 1.0}  # fmt: skip
+        # The scheduler samples the trained schedule (shift 1 here), with the student's re-noising; the
+        # teacher's own file (hard-linked into the copy) is untouched.
+        scheduler = json.loads((out / PIPELINE_DIR / "scheduler" / "scheduler_config.json").read_text())
+        assert (scheduler["shift"], scheduler["use_dynamic_shifting"], scheduler["stochastic_sampling"]) == (
+            1.0, False, True)  # fmt: skip
+        assert json.loads((Path(pipeline) / "scheduler" / "scheduler_config.json").read_text())["shift"] == 3.0
         in_pipeline = SD3Transformer2DModel.from_pretrained(str(out / PIPELINE_DIR), subfolder="transformer")
         assert max_error(predict("sd3", in_pipeline), want[role]) < TOLERANCE, role
 

@@ -13,6 +13,8 @@ ragged (variable length with a mask).
 from __future__ import annotations
 
 import functools
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -41,10 +43,12 @@ EXTRAS = {
     "sd3": ({"prepare.real_images": "{images}"},
             {"algorithm.gan_generator_weight": 0.01, "algorithm.gan_discriminator_weight": 0.01,
              "export.formats": "[peft,diffusers,pipeline]", "export.pipeline_source": "{pipeline}"}),
-    "flux": ({"prepare.guidance_embedding": 2.5}, {}),
-    "qwen_image": ({}, {}),
+    "flux": ({"prepare.guidance_embedding": 2.5},
+             {"export.formats": "[peft,diffusers,pipeline,vllm_omni]", "export.pipeline_source": "{pipeline}"}),
+    "qwen_image": ({}, {"export.formats": "[peft,diffusers,vllm_omni]", "export.pipeline_source": "{pipeline}"}),
     "wan": ({"prepare.real_images": "{images}", "prepare.teacher_pairs": "true"},
-            {"algorithm.regression_weight": 0.25, "algorithm.gan_discriminator_weight": 0.01}),
+            {"algorithm.regression_weight": 0.25, "algorithm.gan_discriminator_weight": 0.01,
+             "export.formats": "[peft,diffusers,pipeline,vllm_omni]", "export.pipeline_source": "{pipeline}"}),
 }  # fmt: skip
 
 
@@ -153,6 +157,33 @@ def pipelines(tmp_path_factory) -> dict[str, Path]:
     }
 
 
+def check_served(family: str, exported: Path, algorithm, guidance: float) -> None:
+    """The vllm_omni directory read as vllm-omni reads it samples the trained schedule (`algorithm`'s
+    student_steps, sigma_shift) with the student's sampler and the training guidance; the pipeline directory
+    (Flux, Wan) keeps the teacher's class, which diffusers loads."""
+    from verl_dmd.algorithms.sampling import trained_schedule
+    from verl_dmd.checkpoint import serving
+
+    index = json.loads((exported / "vllm_omni" / "model_index.json").read_text())
+    served = serving.read_served(index)
+    want = trained_schedule(algorithm).tolist()
+    assert served["dmd2"] and served["fell_back"] is None and served["stochastic"], served
+    assert served["class"] == {"flux": "FluxDMD2Pipeline", "qwen_image": "QwenImageDMD2Pipeline",
+                               "wan": "WanT2VDMD2Pipeline"}[family]  # fmt: skip
+    assert max(abs(a - b) for a, b in zip(served["sigmas"], want)) < 1e-6 and served["guidance_scale"] == guidance
+    assert (exported / "pipeline").is_dir() == (family != "qwen_image")
+    if family != "qwen_image":  # Wan's UniPC scheduler is replaced by the stochastic flow-matching one
+        from diffusers import DiffusionPipeline
+
+        pipe = DiffusionPipeline.from_pretrained(str(exported / "pipeline"), local_files_only=True)
+        assert type(pipe).__name__ == {"flux": "FluxPipeline", "wan": "WanPipeline"}[family]
+        assert type(pipe.scheduler).__name__ == "FlowMatchEulerDiscreteScheduler"
+        assert pipe.scheduler.config.stochastic_sampling and not pipe.scheduler.config.use_dynamic_shifting
+        # The same files: the vllm-omni directory is hard links to the pipeline's, not a second copy.
+        weights = sorted((exported / "pipeline" / "transformer").glob("*.safetensors"))[0]
+        assert os.path.samefile(weights, exported / "vllm_omni" / "transformer" / weights.name)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_family_goes_from_prompts_to_samples_and_an_export(family, pipelines, tmp_path, capsys):
     from verl_dmd import main, prepare_main
@@ -192,6 +223,8 @@ def test_a_family_goes_from_prompts_to_samples_and_an_export(family, pipelines, 
         image = served(prompt="a red cat", num_inference_steps=1, height=32, width=32, guidance_scale=1.0,
                        output_type="pt").images  # fmt: skip
         assert image.shape == (1, 3, 32, 32) and torch.isfinite(image).all()
+    if family != "sd3":  # vllm-omni's DMD2 class reads the trained sampler; Flux-dev's guidance
+        check_served(family, exported, compose_plan(recipe(family), train).algorithm, 2.5 if family == "flux" else 1.0)
     if family == "qwen_image":  # ragged text: a batch is as long as its longest prompt, no longer
         from verl_dmd.trainer.embeddings import EmbeddingsProvider
 

@@ -41,6 +41,7 @@ def preflight(plan: DistillationPlan, *, backend: str) -> None:
     plan.check_local_paths()
     check_model_dirs(plan)
     check_output_paths(plan)
+    check_export_targets(plan)
     check_resources(plan, backend=backend)
     check_resume_path(plan)
     check_names_early(plan)  # no torch: a misspelt name is refused in a second
@@ -60,6 +61,7 @@ def preflight_export(plan: DistillationPlan) -> None:
         raise error("checkpoint.resume", "disable", "export needs a checkpoint",
                     "checkpoint.resume=auto (the newest) or checkpoint.resume=<checkpoint directory>")  # fmt: skip
     check_directory("export.output_dir", plan.export.output_dir, export_root(plan))
+    check_export_targets(plan)
     check_resume_path(plan)
     if plan.checkpoint.resume == "auto":
         from verl_dmd.checkpoint.store import CheckpointStore
@@ -103,6 +105,28 @@ def check_output_paths(plan: DistillationPlan) -> None:
     if plan.algorithm.regression_weight > 0 and plan.data.regression_pairs_path is not None:
         check_pairs_path(plan.data.regression_pairs_path)
     check_free_space(root)
+
+
+def check_export_targets(plan: DistillationPlan) -> None:
+    """A vllm_omni export needs a pipeline class vllm-omni has a DMD2 pipeline for (refused before training,
+    not after it); read from export.pipeline_source's model_index.json, without torch."""
+    import json
+
+    from verl_dmd.checkpoint.serving import VLLM_OMNI_CLASSES
+
+    source = plan.export.pipeline_source
+    if "vllm_omni" not in plan.export.formats or not source:
+        return
+    try:
+        class_name = json.loads((Path(source) / "model_index.json").read_text()).get("_class_name")
+    except (OSError, ValueError, AttributeError):
+        raise error("export.pipeline_source", source, "has no readable model_index.json",
+                    "point it at a local diffusers pipeline directory (the teacher's)") from None  # fmt: skip
+    if class_name not in VLLM_OMNI_CLASSES:
+        raise error("export.formats", list(plan.export.formats),
+                    f"vllm-omni has no DMD2 pipeline for a {class_name} (it serves students of "
+                    f"{', '.join(sorted(VLLM_OMNI_CLASSES))})",
+                    "drop vllm_omni; the pipeline format serves with diffusers (docs/serving.md)")  # fmt: skip
 
 
 def check_directory(key: str, value: str | None, path: Path) -> None:

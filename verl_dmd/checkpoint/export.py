@@ -13,8 +13,11 @@ it comes from ``model.teacher`` again, as it does on resume). Layout of
   ``transformer.load_lora_adapter``);
 - ``diffusers/``: the merged model through ``save_pretrained`` (safetensors);
 - ``pipeline/``: a copy of ``export.pipeline_source`` (files hard-linked where
-  possible) with the merged model as its transformer and a ``dmd2_config`` block in
-  ``model_index.json`` (the sampling schedule the student was trained for);
+  possible) with the merged model as its transformer, a scheduler config that makes
+  the family's diffusers call sample the trained schedule, and a ``dmd2_config``
+  block in ``model_index.json`` (the sampling schedule the student was trained for);
+- ``vllm_omni/``: the same directory (hard links to ``pipeline/``'s files) under
+  vllm-omni's DMD2 class name, which reads the block (`verl_dmd.checkpoint.serving`);
 - ``export.json``: where it came from (checkpoint, step, plan fingerprint, role)
   and the SHA-256 of every file written.
 
@@ -45,6 +48,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from verl_dmd.checkpoint import serving
 from verl_dmd.checkpoint.composite import ENGINE_DIR, check_plan
 from verl_dmd.checkpoint.store import Checkpoint, CheckpointError, CheckpointStore, file_sha256
 from verl_dmd.phases import Role
@@ -52,7 +56,7 @@ from verl_dmd.runtime import lora
 from verl_dmd.runtime.layouts import StorageLayout, layout_for
 from verl_dmd.runtime.naming import RoleTensors, canonical_name
 
-PEFT_DIR, DIFFUSERS_DIR, PIPELINE_DIR = "peft", "diffusers", "pipeline"
+PEFT_DIR, DIFFUSERS_DIR, PIPELINE_DIR, VLLM_OMNI_DIR = "peft", "diffusers", "pipeline", "vllm_omni"
 PEFT_WEIGHTS = "adapter_model.safetensors"
 PEFT_CONFIG = "adapter_config.json"
 DIFFUSERS_LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
@@ -70,22 +74,17 @@ def export_root(plan) -> Path:
     return Path(plan.export.output_dir or Path(plan.trainer.output_dir) / "export")
 
 
-def dmd2_config(plan, sigma_max: float = 1.0) -> dict[str, Any]:
+def dmd2_config(plan, sigma_max: float = 1.0, guidance_scale: float = 1.0) -> dict[str, Any]:
     """How to sample the exported student: its step count, timesteps (sigma x 1000), solver, guidance.
 
     The student re-noises its x0 prediction with fresh noise between steps (``sde``);
-    the teacher's guidance is distilled into it, so it samples without CFG (scale 1).
+    the teacher's guidance is distilled into it, so it samples without CFG (scale 1), except that a
+    guidance-embedding student (Flux-dev) gets the embedding value it trained with.
     `sigma_max` is the model adapter's highest noise level (the schedule starts there).
     """
     from verl_dmd.algorithms.sampling import trained_schedule
 
-    schedule = trained_schedule(plan.algorithm, sigma_max)
-    return {
-        "num_inference_steps": plan.algorithm.student_steps,
-        "denoising_timesteps": [round(float(s) * 1000.0, 4) for s in schedule[:-1]],
-        "solver": "sde",
-        "guidance_scale": 1.0,
-    }
+    return serving.dmd2_block(trained_schedule(plan.algorithm, sigma_max).tolist(), guidance_scale)
 
 
 # --------------------------------------------------------------------------- reading the role
@@ -298,15 +297,37 @@ def _pipeline_source(plan, component: str) -> tuple[Path, dict[str, Any]]:
     return source, index
 
 
-def _write_pipeline(
-    model: nn.Module, pipeline: tuple[Path, dict[str, Any]], component: str, config, out: Path
-) -> None:
+SCHEDULER_CONFIG = Path("scheduler") / "scheduler_config.json"
+
+
+def _write_json(path: Path, value: dict[str, Any]) -> None:
+    """A fresh file at `path` (a hard link to the teacher's file there is replaced, never written through)."""
+    if path.exists():
+        path.unlink()
+    path.write_text(json.dumps(value, indent=2, sort_keys=True) + "\n")
+
+
+def _write_pipeline(model: nn.Module, pipeline: tuple[Path, dict[str, Any]], component: str, config, shift: float,
+                    parameterization: str, out: Path) -> None:  # fmt: skip
+    """The teacher's pipeline directory with the student as `component`, its scheduler set to the trained
+    schedule's sampler and the `dmd2_config` block (nested and flat) in model_index.json."""
     source, index = pipeline
     out.mkdir()
     _link_or_copy_tree(source, out, skip=component)
     model.save_pretrained(str(out / component), safe_serialization=True)
-    index = {**index, "dmd2_config": config}
-    (out / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    if (source / SCHEDULER_CONFIG).is_file() and "scheduler" in index:
+        scheduler = json.loads((source / SCHEDULER_CONFIG).read_text())
+        _write_json(out / SCHEDULER_CONFIG, serving.diffusers_scheduler_config(scheduler, shift, parameterization))
+        index = {**index, "scheduler": [index["scheduler"][0], serving.SCHEDULER_CLASS]}
+    _write_json(out / "model_index.json", serving.index_with_block(index, config))
+
+
+def _write_vllm_omni(pipeline_dir: Path, out: Path) -> None:
+    """`pipeline_dir` again (hard links) under vllm-omni's DMD2 class name for its pipeline class."""
+    index = json.loads((pipeline_dir / "model_index.json").read_text())
+    class_name = serving.vllm_omni_class(index["_class_name"])
+    shutil.copytree(pipeline_dir, out, copy_function=_link_or_copy)
+    _write_json(out / "model_index.json", {**index, "_class_name": class_name})
 
 
 def _check_request(plan, role: Role, formats: tuple[str, ...]) -> None:
@@ -321,8 +342,9 @@ def _check_request(plan, role: Role, formats: tuple[str, ...]) -> None:
             f"config key 'export.formats' = {list(formats)}: the peft format needs a LoRA student; fix: export "
             "diffusers (and pipeline) only"
         )
-    if "pipeline" in formats and not plan.export.pipeline_source:
-        raise ExportError("config key 'export.pipeline_source' = None: the pipeline format needs it")
+    for needs in ("pipeline", "vllm_omni"):
+        if needs in formats and not plan.export.pipeline_source:
+            raise ExportError(f"config key 'export.pipeline_source' = None: the {needs} format needs it")
 
 
 def _existing_export(
@@ -387,11 +409,15 @@ def export_checkpoint(
     check_plan(found, plan)
     adapter = get_adapter(plan.model.adapter)()
     component = getattr(adapter, "pipeline_component", "transformer")
-    pipeline = _pipeline_source(plan, component) if "pipeline" in formats else None
+    serves = "pipeline" in formats or "vllm_omni" in formats
+    pipeline = _pipeline_source(plan, component) if serves else None
+    if "vllm_omni" in formats:
+        serving.vllm_omni_class(pipeline[1].get("_class_name"))  # refused before anything is read
     log(f"export: reading role {role.value} from {found.path}")
     layout = layout_for(plan, adapter)
     loaded = load_role(layout, found, role)
-    config = dmd2_config(plan, adapter.sigma_max)
+    guidance = serving.constant_guidance(plan, dict(getattr(loaded.model, "config", {}))) if serves else 1.0
+    config = dmd2_config(plan, adapter.sigma_max, guidance)
 
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = target.parent / f".{target.name}.partial-{os.getpid()}"
@@ -399,7 +425,7 @@ def export_checkpoint(
         shutil.rmtree(staging)
     staging.mkdir()
     try:
-        _write_formats(staging, loaded, formats, role, layout, component, pipeline, config, log)
+        _write_formats(staging, loaded, formats, role, layout, component, pipeline, config, plan, log)
         info = _provenance(staging, found, plan, role, formats, config)
         (staging / EXPORT_INFO).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
         os.replace(staging, target)
@@ -428,7 +454,7 @@ def _provenance(staging: Path, found: Checkpoint, plan, role: Role, formats, con
 
 
 def _write_formats(staging: Path, loaded: LoadedRole, formats, role: Role, layout: StorageLayout, component: str,
-                   pipeline, config, log: Callable[[str], None]) -> None:  # fmt: skip
+                   pipeline, config, plan, log: Callable[[str], None]) -> None:  # fmt: skip
     """Every asked-for format of the loaded role into `staging`: the adapter first, then the merged model."""
     model, adapter_name = loaded.model, loaded.selection.adapter
     if "peft" in formats:
@@ -437,11 +463,18 @@ def _write_formats(staging: Path, loaded: LoadedRole, formats, role: Role, layou
             log(f"export: note: {note}")
         _write_peft(model, adapter_name, component, base, staging / PEFT_DIR)
         log(f"export: wrote the PEFT adapter ({loaded.tensor_count} tensors)")
-    if "diffusers" in formats or "pipeline" in formats:
+    if {"diffusers", "pipeline", "vllm_omni"} & set(formats):
         _merge(model, loaded.base_keys, adapter_name, formats, role)
         if "diffusers" in formats:
             model.save_pretrained(str(staging / DIFFUSERS_DIR), safe_serialization=True)
             log("export: wrote the merged diffusers model")
         if pipeline is not None:
-            _write_pipeline(model, pipeline, component, config, staging / PIPELINE_DIR)
+            shift = 1.0 if plan.algorithm.student_sigmas else plan.algorithm.sigma_shift
+            served = staging / (PIPELINE_DIR if "pipeline" in formats else f".{PIPELINE_DIR}")
+            _write_pipeline(model, pipeline, component, config, shift, layout.adapter.parameterization, served)
             log(f"export: wrote the pipeline from {pipeline[0]} with the student as {component}")
+            if "vllm_omni" in formats:
+                _write_vllm_omni(served, staging / VLLM_OMNI_DIR)
+                log("export: wrote the vllm-omni directory (its DMD2 class reads dmd2_config)")
+            if "pipeline" not in formats:
+                shutil.rmtree(served)

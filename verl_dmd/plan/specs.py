@@ -637,8 +637,10 @@ class ExportSpec:
 
     role: Literal["student", "student_ema"] = "student_ema"
     """The role to export; the EMA is what published runs ship."""
-    formats: tuple[Literal["peft", "diffusers", "pipeline"], ...] = ("peft", "diffusers")
-    """peft: adapter directory; diffusers: merged model via save_pretrained; pipeline: see pipeline_source."""
+    formats: tuple[Literal["peft", "diffusers", "pipeline", "vllm_omni"], ...] = ("peft", "diffusers")
+    """peft: adapter directory; diffusers: merged model via save_pretrained; pipeline: the teacher's pipeline
+    with the student, served by diffusers at the trained schedule; vllm_omni: the same under vllm-omni's DMD2
+    class (Flux, Qwen-Image, Wan); docs/serving.md."""
     output_dir: str | None = None
     """null means <trainer.output_dir>/export."""
     pipeline_source: str | None = None
@@ -648,17 +650,18 @@ class ExportSpec:
 
     def validate(self, key: str) -> None:
         if not self.formats:
-            raise error(f"{key}.formats", [], "must list at least one of: peft, diffusers, pipeline")
+            raise error(f"{key}.formats", [], "must list at least one of: peft, diffusers, pipeline, vllm_omni")
         if len(set(self.formats)) != len(self.formats):
             raise error(f"{key}.formats", list(self.formats), "lists a format twice", "list each format once")
-        if "pipeline" in self.formats and not self.pipeline_source:
-            raise error(
-                f"{key}.pipeline_source",
-                self.pipeline_source,
-                "the pipeline format copies a local diffusers pipeline directory",
-                f"set {key}.pipeline_source to the teacher's pipeline directory, or drop pipeline from "
-                f"{key}.formats",
-            )
+        for needs in ("pipeline", "vllm_omni"):
+            if needs in self.formats and not self.pipeline_source:
+                raise error(
+                    f"{key}.pipeline_source",
+                    self.pipeline_source,
+                    f"the {needs} format copies a local diffusers pipeline directory",
+                    f"set {key}.pipeline_source to the teacher's pipeline directory, or drop {needs} from "
+                    f"{key}.formats",
+                )
 
 
 @dataclass(frozen=True)
