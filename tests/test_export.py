@@ -119,7 +119,9 @@ def test_lora_export_round_trips_through_peft_and_diffusers(tmp_path, layout, wo
         scheduler = json.loads((out / PIPELINE_DIR / "scheduler" / "scheduler_config.json").read_text())
         assert (scheduler["shift"], scheduler["use_dynamic_shifting"], scheduler["stochastic_sampling"]) == (
             1.0, False, True)  # fmt: skip
-        assert json.loads((Path(pipeline) / "scheduler" / "scheduler_config.json").read_text())["shift"] == 3.0
+        assert (
+            json.loads((Path(pipeline) / "scheduler" / "scheduler_config.json").read_text())["shift"] == 3.0
+        )
         in_pipeline = SD3Transformer2DModel.from_pretrained(str(out / PIPELINE_DIR), subfolder="transformer")
         assert max_error(predict("sd3", in_pipeline), want[role]) < TOLERANCE, role
 

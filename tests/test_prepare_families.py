@@ -170,7 +170,10 @@ def check_served(family: str, exported: Path, algorithm, guidance: float) -> Non
     assert served["dmd2"] and served["fell_back"] is None and served["stochastic"], served
     assert served["class"] == {"flux": "FluxDMD2Pipeline", "qwen_image": "QwenImageDMD2Pipeline",
                                "wan": "WanT2VDMD2Pipeline"}[family]  # fmt: skip
-    assert max(abs(a - b) for a, b in zip(served["sigmas"], want)) < 1e-6 and served["guidance_scale"] == guidance
+    assert (
+        max(abs(a - b) for a, b in zip(served["sigmas"], want, strict=True)) < 1e-6
+        and served["guidance_scale"] == guidance
+    )
     assert (exported / "pipeline").is_dir() == (family != "qwen_image")
     if family != "qwen_image":  # Wan's UniPC scheduler is replaced by the stochastic flow-matching one
         from diffusers import DiffusionPipeline
@@ -224,7 +227,9 @@ def test_a_family_goes_from_prompts_to_samples_and_an_export(family, pipelines, 
                        output_type="pt").images  # fmt: skip
         assert image.shape == (1, 3, 32, 32) and torch.isfinite(image).all()
     if family != "sd3":  # vllm-omni's DMD2 class reads the trained sampler; Flux-dev's guidance
-        check_served(family, exported, compose_plan(recipe(family), train).algorithm, 2.5 if family == "flux" else 1.0)
+        check_served(
+            family, exported, compose_plan(recipe(family), train).algorithm, 2.5 if family == "flux" else 1.0
+        )
     if family == "qwen_image":  # ragged text: a batch is as long as its longest prompt, no longer
         from verl_dmd.trainer.embeddings import EmbeddingsProvider
 

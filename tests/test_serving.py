@@ -43,11 +43,14 @@ def test_the_exported_scheduler_samples_the_trained_schedule(steps, shift):
     # Flux passes mu (resolution-dependent); with dynamic shifting off the scheduler ignores it.
     for call in ({}, {"mu": 1.1}):
         got = diffusers_levels(config, steps, **call)
-        assert len(got) == len(want) and max(abs(a - b) for a, b in zip(got, want)) < 1e-6, (got, want)
+        assert len(got) == len(want) and max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-6, (
+            got,
+            want,
+        )
     # The teacher's own scheduler does not (mutation: the copied scheduler of the old export); one step
     # starts at 1 under any shift.
     got = diffusers_levels(TEACHER_SCHEDULER, steps, mu=0.5)  # a small image's mu: shift e^0.5
-    assert steps == 1 or max(abs(a - b) for a, b in zip(got, want)) > 1e-3
+    assert steps == 1 or max(abs(a - b) for a, b in zip(got, want, strict=True)) > 1e-3
 
 
 def test_the_exported_scheduler_steps_as_the_student_samples():
@@ -59,7 +62,9 @@ def test_the_exported_scheduler_steps_as_the_student_samples():
     from verl_dmd.adapters import get_adapter
 
     adapter = get_adapter("sd3")()
-    scheduler = FlowMatchEulerDiscreteScheduler.from_config(serving.diffusers_scheduler_config(TEACHER_SCHEDULER, 3.0))
+    scheduler = FlowMatchEulerDiscreteScheduler.from_config(
+        serving.diffusers_scheduler_config(TEACHER_SCHEDULER, 3.0)
+    )
     scheduler.set_timesteps(sigmas=np.linspace(1.0, 0.25, 4))
     g = torch.Generator().manual_seed(0)
     x, v = (torch.randn(2, 4, 8, 8, generator=g) for _ in range(2))
@@ -68,13 +73,17 @@ def test_the_exported_scheduler_steps_as_the_student_samples():
     sigma, next_sigma = scheduler.sigmas[1], scheduler.sigmas[2]
     want = adapter.add_noise(adapter.to_x0(x, v, sigma), fresh, next_sigma)
     scheduler._step_index = 1
-    got = scheduler.step(v, scheduler.timesteps[1], x, generator=torch.Generator().set_state(state)).prev_sample
+    got = scheduler.step(
+        v, scheduler.timesteps[1], x, generator=torch.Generator().set_state(state)
+    ).prev_sample
     assert float((got - want).abs().max()) < 1e-6
     # Without stochastic sampling (the teacher's scheduler) it is an ODE step, not the student's.
     plain = FlowMatchEulerDiscreteScheduler.from_config({**TEACHER_SCHEDULER, "use_dynamic_shifting": False})
     plain.set_timesteps(sigmas=np.linspace(1.0, 0.25, 4))
     plain._step_index = 1
-    plain_step = plain.step(v, plain.timesteps[1], x, generator=torch.Generator().set_state(state)).prev_sample
+    plain_step = plain.step(
+        v, plain.timesteps[1], x, generator=torch.Generator().set_state(state)
+    ).prev_sample
     assert float((plain_step - want).abs().max()) > 1e-2
 
 
@@ -84,10 +93,15 @@ def test_vllm_omni_reads_our_block_as_the_trained_sampler(steps, shift, teacher_
     schedule = trained(steps, shift)
     block = serving.dmd2_block(schedule, 2.5)
     index = {"_class_name": teacher_class, "transformer": ["diffusers", "X"]}
-    served = serving.read_served(serving.index_with_block(index, block, serving.vllm_omni_class(teacher_class)))
+    served = serving.read_served(
+        serving.index_with_block(index, block, serving.vllm_omni_class(teacher_class))
+    )
     assert served["dmd2"] and served["fell_back"] is None
     assert served["stochastic"] and served["guidance_scale"] == 2.5
-    assert max(abs(a - b) for a, b in zip(served["sigmas"], schedule)) < 1e-6 and len(served["sigmas"]) == steps + 1
+    assert (
+        max(abs(a - b) for a, b in zip(served["sigmas"], schedule, strict=True)) < 1e-6
+        and len(served["sigmas"]) == steps + 1
+    )
     # The teacher's own class name builds the plain pipeline, which ignores the block (the old export).
     assert not serving.read_served(serving.index_with_block(index, block))["dmd2"]
     # The flat keys of older readers say the same, with the shift baked in (1.0).
@@ -97,14 +111,22 @@ def test_vllm_omni_reads_our_block_as_the_trained_sampler(steps, shift, teacher_
     assert json.loads(json.dumps(flat)) == flat  # plain JSON types only
 
 
-GOOD = {"num_inference_steps": 2, "denoising_timesteps": [1000.0, 750.0], "solver": "sde", "guidance_scale": 1.0}
+GOOD = {
+    "num_inference_steps": 2,
+    "denoising_timesteps": [1000.0, 750.0],
+    "solver": "sde",
+    "guidance_scale": 1.0,
+}
 MALFORMED = [
     ([1000, 500], "not an object"),
     ({**GOOD, "num_inference_steps": 3}, "2 denoising_timesteps for num_inference_steps = 3"),
     ({**GOOD, "num_inference_steps": 2.0}, "not a positive integer"),
     ({**GOOD, "denoising_timesteps": ["1000", "750"]}, "not a list of numbers"),
     ({**GOOD, "denoising_timesteps": [750.0, 1000.0]}, "not strictly decreasing"),
-    ({**GOOD, "denoising_timesteps": [1.0, 0.75]}, None),  # sigmas, not timesteps: reads, samples wrong levels
+    (
+        {**GOOD, "denoising_timesteps": [1.0, 0.75]},
+        None,
+    ),  # sigmas, not timesteps: reads, samples wrong levels
     ({**GOOD, "solver": "euler"}, "not 'ode' or 'sde'"),
     ({**GOOD, "shift": 3.0}, "unknown key 'shift'"),
     ({k: v for k, v in GOOD.items() if k != "denoising_timesteps"}, "no denoising_timesteps"),
@@ -150,7 +172,9 @@ def test_sd3_has_no_vllm_omni_class_and_is_refused_before_training(tmp_path):
 
     with pytest.raises(PlanError) as err:
         check_export_targets(Plan)
-    assert str(err.value).startswith("config key 'export.formats' = ['peft', 'vllm_omni']: vllm-omni has no DMD2")
+    assert str(err.value).startswith(
+        "config key 'export.formats' = ['peft', 'vllm_omni']: vllm-omni has no DMD2"
+    )
     (source / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
     check_export_targets(Plan)
 
@@ -163,7 +187,7 @@ def test_the_guidance_embedding_served_is_the_data_sets(tmp_path):
             path = str(tmp_path / "data")
 
     assert serving.constant_guidance(Plan, {"guidance_embeds": False}) == 1.0
-    with pytest.raises(serving.ServingError, match="config key 'data.path'"):
+    with pytest.raises(serving.ServingError, match=r"config key .data.path."):
         serving.constant_guidance(Plan, {"guidance_embeds": True})
     (tmp_path / "data").mkdir()
     manifest = {"format": FORMAT, "files": {}, "latent_shape": [16, 4, 4], "prompt_count": 0,
@@ -172,7 +196,7 @@ def test_the_guidance_embedding_served_is_the_data_sets(tmp_path):
     assert serving.constant_guidance(Plan, {"guidance_embeds": True}) == 2.5
     manifest["intent"]["encoding"]["constant_cond"] = {}
     (tmp_path / "data" / MANIFEST).write_text(json.dumps(manifest))
-    with pytest.raises(serving.ServingError, match="no constant cond.guidance"):
+    with pytest.raises(serving.ServingError, match=r"no constant cond\.guidance"):
         serving.constant_guidance(Plan, {"guidance_embeds": True})
 
 
@@ -182,7 +206,7 @@ def test_a_scheduler_of_another_kind_is_replaced_and_a_non_velocity_student_refu
     config = serving.diffusers_scheduler_config(unipc, 3.0)
     assert config["_class_name"] == serving.SCHEDULER_CLASS and "flow_shift" not in config
     got, want = diffusers_levels(config, 4), trained(4, 3.0)
-    assert max(abs(a - b) for a, b in zip(got, want)) < 1e-6
+    assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-6
     with pytest.raises(serving.ServingError, match="the student predicts x0"):
         serving.diffusers_scheduler_config(TEACHER_SCHEDULER, 1.0, parameterization="x0")
 
@@ -198,7 +222,7 @@ def test_wans_call_needs_the_levels_passed():
     scheduler = FlowMatchEulerDiscreteScheduler.from_config(config)
     want = trained(4, 3.0)
     scheduler.set_timesteps(4)
-    assert max(abs(a - b) for a, b in zip(scheduler.sigmas.tolist(), want)) > 1e-2
+    assert max(abs(a - b) for a, b in zip(scheduler.sigmas.tolist(), want, strict=True)) > 1e-2
     scheduler.set_timesteps = functools.partial(scheduler.set_timesteps, sigmas=[1.0, 0.75, 0.5, 0.25])
     scheduler.set_timesteps(4, device="cpu")  # as WanPipeline calls it
-    assert max(abs(a - b) for a, b in zip(scheduler.sigmas.tolist(), want)) < 1e-6
+    assert max(abs(a - b) for a, b in zip(scheduler.sigmas.tolist(), want, strict=True)) < 1e-6

@@ -317,7 +317,9 @@ def _write_pipeline(model: nn.Module, pipeline: tuple[Path, dict[str, Any]], com
     model.save_pretrained(str(out / component), safe_serialization=True)
     if (source / SCHEDULER_CONFIG).is_file() and "scheduler" in index:
         scheduler = json.loads((source / SCHEDULER_CONFIG).read_text())
-        _write_json(out / SCHEDULER_CONFIG, serving.diffusers_scheduler_config(scheduler, shift, parameterization))
+        _write_json(
+            out / SCHEDULER_CONFIG, serving.diffusers_scheduler_config(scheduler, shift, parameterization)
+        )
         index = {**index, "scheduler": [index["scheduler"][0], serving.SCHEDULER_CLASS]}
     _write_json(out / "model_index.json", serving.index_with_block(index, config))
 
@@ -471,7 +473,9 @@ def _write_formats(staging: Path, loaded: LoadedRole, formats, role: Role, layou
         if pipeline is not None:
             shift = 1.0 if plan.algorithm.student_sigmas else plan.algorithm.sigma_shift
             served = staging / (PIPELINE_DIR if "pipeline" in formats else f".{PIPELINE_DIR}")
-            _write_pipeline(model, pipeline, component, config, shift, layout.adapter.parameterization, served)
+            _write_pipeline(
+                model, pipeline, component, config, shift, layout.adapter.parameterization, served
+            )
             log(f"export: wrote the pipeline from {pipeline[0]} with the student as {component}")
             if "vllm_omni" in formats:
                 _write_vllm_omni(served, staging / VLLM_OMNI_DIR)

@@ -17,6 +17,7 @@ x0 = x - sigma * v, re-noised with fresh noise to the next level, the student's 
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -72,7 +73,9 @@ def flat_keys(block: Mapping[str, Any]) -> dict[str, Any]:
     return {**{flat: block[key] for key, flat in FLAT_KEYS.items()}, FLAT_SHIFT: 1.0}
 
 
-def index_with_block(index: Mapping[str, Any], block: Mapping[str, Any], class_name: str | None = None) -> dict:
+def index_with_block(
+    index: Mapping[str, Any], block: Mapping[str, Any], class_name: str | None = None
+) -> dict:
     """A pipeline's `model_index.json` carrying `block` in both forms, optionally under another class."""
     out = {k: v for k, v in index.items() if k != "dmd2_config" and not k.startswith("dmd2_")}
     out["dmd2_config"] = dict(block)
@@ -120,7 +123,7 @@ def block_problem(block: Any) -> str | None:
         return f"denoising_timesteps = {timesteps!r}: not a list of numbers"
     if len(timesteps) != steps:
         return f"{len(timesteps)} denoising_timesteps for num_inference_steps = {steps}"
-    if not all(0 < t <= 1000 for t in timesteps) or any(a <= b for a, b in zip(timesteps, timesteps[1:])):
+    if not all(0 < t <= 1000 for t in timesteps) or any(a <= b for a, b in itertools.pairwise(timesteps)):
         return f"denoising_timesteps = {timesteps}: not strictly decreasing within (0, 1000]"
     if block.get("solver", "ode") not in ("ode", "sde"):
         return f"solver = {block.get('solver')!r}: not 'ode' or 'sde'"
@@ -157,7 +160,9 @@ def read_served(index: Mapping[str, Any]) -> dict[str, Any]:
 SCHEDULER_CLASS = "FlowMatchEulerDiscreteScheduler"
 
 
-def diffusers_scheduler_config(source: Mapping[str, Any], shift: float, parameterization: str = "velocity") -> dict:
+def diffusers_scheduler_config(
+    source: Mapping[str, Any], shift: float, parameterization: str = "velocity"
+) -> dict:
     """The teacher's scheduler config rewritten so that a pipeline call given the unshifted levels
     (Flux and Qwen-Image pass ``linspace(1, 1/N, N)`` themselves) samples the trained schedule with the
     student's re-noising sampler: static `shift`, no dynamic shifting, stochastic sampling, no other
@@ -169,11 +174,15 @@ def diffusers_scheduler_config(source: Mapping[str, Any], shift: float, paramete
             f"the student predicts {parameterization}, the diffusers scheduler that re-noises as it samples "
             f"({SCHEDULER_CLASS} with stochastic_sampling) reads velocity; fix: export peft or diffusers only"
         )
-    base = dict(source) if source.get("_class_name") == SCHEDULER_CLASS else {
-        "_class_name": SCHEDULER_CLASS,
-        "_diffusers_version": source.get("_diffusers_version"),
-        "num_train_timesteps": int(source.get("num_train_timesteps", 1000)),
-    }
+    base = (
+        dict(source)
+        if source.get("_class_name") == SCHEDULER_CLASS
+        else {
+            "_class_name": SCHEDULER_CLASS,
+            "_diffusers_version": source.get("_diffusers_version"),
+            "num_train_timesteps": int(source.get("num_train_timesteps", 1000)),
+        }
+    )
     return {
         **base,
         "shift": float(shift),

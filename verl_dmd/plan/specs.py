@@ -650,7 +650,9 @@ class ExportSpec:
 
     def validate(self, key: str) -> None:
         if not self.formats:
-            raise error(f"{key}.formats", [], "must list at least one of: peft, diffusers, pipeline, vllm_omni")
+            raise error(
+                f"{key}.formats", [], "must list at least one of: peft, diffusers, pipeline, vllm_omni"
+            )
         if len(set(self.formats)) != len(self.formats):
             raise error(f"{key}.formats", list(self.formats), "lists a format twice", "list each format once")
         for needs in ("pipeline", "vllm_omni"):
