@@ -63,6 +63,25 @@ def max_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).abs().max())
 
 
+def weights(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a saved diffusers model directory (one safetensors file here)."""
+    import safetensors.torch
+
+    (file,) = sorted(directory.glob("*.safetensors"))
+    return safetensors.torch.load_file(str(file))
+
+
+def assert_rounded_bitwise(got: dict[str, torch.Tensor], full: dict[str, torch.Tensor]) -> None:
+    """`got` is `full` rounded to bfloat16, every bit of every tensor (and not merely equal as numbers)."""
+    assert got.keys() == full.keys()
+    for name, tensor in got.items():
+        assert tensor.dtype == torch.bfloat16, name
+        rounded = full[name].to(torch.bfloat16)
+        assert torch.equal(tensor.view(torch.int16), rounded.view(torch.int16)), name
+    # Rounding really happened: float32 weights of a trained model are not all bfloat16 values already.
+    assert any(not torch.equal(full[n], got[n].float()) for n in got)
+
+
 @pytest.mark.parametrize(("layout", "world_size"), [("shared_base_adapters", 2), ("independent", 1)])
 def test_lora_export_round_trips_through_peft_and_diffusers(tmp_path, layout, world_size):
     """Both LoRA layouts: the exported adapter (PEFT's loader, diffusers' loader, our init_path loader),
@@ -72,7 +91,8 @@ def test_lora_export_round_trips_through_peft_and_diffusers(tmp_path, layout, wo
 
     teacher_dir = save_teacher("sd3", tmp_path / "teacher")
     pipeline = fake_pipeline(tmp_path / "pipeline_src", teacher_dir)
-    overrides = {"export.formats": ["peft", "diffusers", "pipeline"], "export.pipeline_source": pipeline}
+    overrides = {"export.formats": ["peft", "diffusers", "pipeline"], "export.pipeline_source": pipeline,
+                 "export.dtype": "float32"}  # fmt: skip
     trained = run_ranks(train_and_save, world_size, tmp_path / "run", "sd3", layout, teacher_dir,
                         str(tmp_path / "ckpt"), overrides)[0]  # fmt: skip
     plan = export_plan("sd3", layout, teacher_dir, **overrides)
@@ -126,9 +146,16 @@ def test_lora_export_round_trips_through_peft_and_diffusers(tmp_path, layout, wo
         assert max_error(predict("sd3", in_pipeline), want[role]) < TOLERANCE, role
 
         info = json.loads((out / EXPORT_INFO).read_text())
-        assert info["role"] == role and info["global_step"] == 2
+        assert info["role"] == role and info["global_step"] == 2 and info["merged_dtype"] == "float32"
         for relative, digest in info["files"].items():
             assert file_sha256(out / relative) == digest, relative
+
+        # The default dtype: the same merged weights, each rounded once to bfloat16, bit for bit.
+        bf16 = export_checkpoint(
+            export_plan("sd3", layout, teacher_dir, **{**overrides, "export.dtype": "bfloat16"}), trained["path"],
+            role=role, formats=("diffusers",), output_dir=tmp_path / "export_bf16" / role, log=lambda _: None,
+        )  # fmt: skip
+        assert_rounded_bitwise(weights(bf16 / DIFFUSERS_DIR), weights(out / DIFFUSERS_DIR))
 
     # The exported adapter starts a new run: model.student.lora.init_path reads PEFT's key layout.
     from verl_dmd.runtime.lora import add_adapter, load_peft_adapter_dir, lora_config
@@ -151,6 +178,7 @@ def full_run(tmp_path_factory):
         "model.student.lora.rank": 0,
         "model.fake_score.lora.rank": 0,
         "export.formats": ["diffusers"],
+        "export.dtype": "float32",
     }
     (trained,) = run_ranks(train_and_save, 1, tmp_path / "run", "dit", "independent", teacher_dir,
                            str(tmp_path / "ckpt"), overrides)  # fmt: skip
@@ -171,6 +199,27 @@ def test_full_fine_tune_exports_the_merged_model_for_each_role(full_run):
         assert sorted(p.name for p in out.iterdir()) == [DIFFUSERS_DIR, EXPORT_INFO]
         merged = DiTTransformer2DModel.from_pretrained(str(out / DIFFUSERS_DIR))
         assert max_error(predict("dit", merged), want[role]) < TOLERANCE, role
+
+
+def test_the_default_bf16_export_is_the_roles_weights_rounded_bit_for_bit(full_run):
+    """A full fine-tune's role is its checkpoint tensors: read straight from the DCP files, rounded once to
+    bfloat16, they are the exported file bit for bit (its config says nothing of dtype; the tensors are)."""
+    from verl_dmd.checkpoint.composite import ENGINE_DIR
+    from verl_dmd.checkpoint.export import read_role_tensors
+    from verl_dmd.phases import Role
+    from verl_dmd.runtime.layouts import layout_for
+
+    tmp_path, teacher_dir, plan, trained = full_run
+    plan = export_plan("dit", "independent", teacher_dir, **{"model.student.lora.rank": 0,
+                       "model.fake_score.lora.rank": 0, "export.formats": ["diffusers"]})  # fmt: skip
+    assert plan.export.dtype == "bfloat16"  # the default
+    for role in ("student_ema", "student"):
+        out = export_checkpoint(plan, trained["path"], role=role, output_dir=tmp_path / f"bf16_{role}",
+                                log=lambda _: None)  # fmt: skip
+        selection = layout_for(plan, get_adapter("dit")()).role_tensors(Role(role))
+        full = read_role_tensors(Path(trained["path"]) / ENGINE_DIR, selection)
+        assert_rounded_bitwise(weights(out / DIFFUSERS_DIR), full)
+        assert json.loads((out / EXPORT_INFO).read_text())["merged_dtype"] == "bfloat16"
 
 
 def test_export_refuses_bad_requests_with_one_line_errors(full_run):

@@ -187,6 +187,66 @@ def check_served(family: str, exported: Path, algorithm, guidance: float) -> Non
         assert os.path.samefile(weights, exported / "vllm_omni" / "transformer" / weights.name)
 
 
+def check_round_trip(family: str, exported: Path, plan, tmp_path: Path) -> None:
+    """Each serving target, loaded by diffusers and called as docs/serving.md says (the vllm_omni directory
+    as vllm-omni's DMD2 pipeline samples it: tests/serving_calls.py), from the same noise and prepared
+    embeddings, reproduces the in-trainer few-step sampler of the exported role (student_ema) to 1e-5 in
+    float32; a wrong role, a wrong schedule or a wrong guidance does not come near."""
+    from diffusers import DiffusionPipeline
+    from serving_calls import documented_call, fresh_noise, trainer_sample, vllm_omni_call
+
+    from verl_dmd.algorithms.sampling import renoise_draws
+    from verl_dmd.checkpoint.export import export_checkpoint
+    from verl_dmd.data.prepared import PreparedDataset
+    from verl_dmd.trainer.embeddings import RowTable, _prefixed
+
+    dataset = PreparedDataset.open(Path(plan.data.path))
+    table = RowTable(dataset.files("validation"), _prefixed(dataset.ragged, "cond."), what="validation rows")
+    cond = {k.removeprefix("cond."): v for k, v in table.read(table.keys, [0, 1]).items()}
+    generator = torch.Generator().manual_seed(11)
+    noise = torch.randn((2, *dataset.latent_shape), generator=generator)
+    steps = plan.algorithm.student_steps
+    draws = renoise_draws(noise.shape, steps, generator)
+    checkpoint = Path(json.loads((exported / "export.json").read_text())["checkpoint"])
+    want = trainer_sample(plan, checkpoint, "student_ema", cond, noise, draws)
+    size, frames = TINY_RESOLUTION[family], TINY_FRAMES.get(family)
+
+    pipeline = exported / "pipeline"
+    # Qwen-Image's run exported vllm_omni alone: the pipeline target of the same role, exported here
+    if not pipeline.is_dir():
+        pipeline = export_checkpoint(plan, checkpoint, formats=("pipeline",), output_dir=tmp_path / "served",
+                                     log=lambda _: None) / "pipeline"  # fmt: skip
+    block = json.loads((pipeline / "model_index.json").read_text())["dmd2_config"]
+    pipe = DiffusionPipeline.from_pretrained(str(pipeline), local_files_only=True)
+    served = {}
+    with fresh_noise(draws) as drawn:
+        served["pipeline"] = documented_call(family, pipe, block, cond, noise, size, frames)
+    assert len(drawn) == steps, drawn
+    if (exported / "vllm_omni").is_dir():
+        with fresh_noise(draws) as drawn:
+            served["vllm_omni"] = vllm_omni_call(family, exported / "vllm_omni", cond, noise, size, frames)
+        assert len(drawn) == steps, drawn
+    errors = {target: float((got - want).abs().max()) for target, got in served.items()}
+    assert all(error < 1e-5 for error in errors.values()), errors
+
+    # What a wrong export would serve instead is far outside the bound (the comparison can fail).
+    got = served["pipeline"]
+    wrong = {"the student (not the EMA)": trainer_sample(plan, checkpoint, "student", cond, noise, draws),
+             "the teacher (no adapter)": trainer_sample(plan, checkpoint, "student_ema", cond, noise, draws,
+                                                        teacher=True)}  # fmt: skip
+    pipe = DiffusionPipeline.from_pretrained(str(pipeline), local_files_only=True)
+    pipe.scheduler = type(pipe.scheduler).from_config({**pipe.scheduler.config, "shift": 1.0})
+    with fresh_noise(draws):
+        wrong["the unshifted schedule"] = documented_call(family, pipe, block, cond, noise, size, frames)
+    if family == "flux":  # Flux-dev's guidance embedding: FluxPipeline's default 3.5, not the trained 2.5
+        pipe = DiffusionPipeline.from_pretrained(str(pipeline), local_files_only=True)
+        with fresh_noise(draws):
+            wrong["guidance 3.5"] = documented_call(family, pipe, {**block, "guidance_scale": 3.5}, cond, noise,
+                                                    size, frames)  # fmt: skip
+    distances = {what: float((got - other).abs().max()) for what, other in wrong.items()}
+    assert all(distance > 1e-3 for distance in distances.values()), distances
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_family_goes_from_prompts_to_samples_and_an_export(family, pipelines, tmp_path, capsys):
     from verl_dmd import main, prepare_main
@@ -199,7 +259,10 @@ def test_a_family_goes_from_prompts_to_samples_and_an_export(family, pipelines, 
     validation = write_lines(tmp_path / "validation.txt", VALIDATION_PROMPTS)
     prepare = prepare_overrides(family, pipeline, data, prompts, **prepare_extra,
                                 **{"prepare.validation_prompts": validation})  # fmt: skip
-    train = train_overrides(family, pipeline, data, out, **train_extra)
+    # float32 export for the 1e-5 round trip; a student (and EMA) that moves in 2 steps, so that the round trip
+    # tells the exported role from the raw student and from the teacher
+    moving = {"export.dtype": "float32", "optim.student.lr": 0.03, "ema.decay": 0.5}
+    train = train_overrides(family, pipeline, data, out, **train_extra, **moving)
     if family == "sd3":  # the command-line scripts themselves
         for script, args in (("verl-dmd-prepare", prepare), ("verl-dmd", ["--local", *train])):
             result = subprocess.run([str(Path(sys.executable).parent / script), "--config-name", recipe(family), *args],
@@ -230,6 +293,7 @@ def test_a_family_goes_from_prompts_to_samples_and_an_export(family, pipelines, 
         check_served(
             family, exported, compose_plan(recipe(family), train).algorithm, 2.5 if family == "flux" else 1.0
         )
+    check_round_trip(family, exported, compose_plan(recipe(family), train), tmp_path)
     if family == "qwen_image":  # ragged text: a batch is as long as its longest prompt, no longer
         from verl_dmd.trainer.embeddings import EmbeddingsProvider
 

@@ -61,6 +61,8 @@ PEFT_WEIGHTS = "adapter_model.safetensors"
 PEFT_CONFIG = "adapter_config.json"
 DIFFUSERS_LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
 EXPORT_INFO = "export.json"
+MERGED_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+"""export.dtype -> the dtype the merged model's weights are written in."""
 PEFT_PREFIX = "base_model.model."
 """Key prefix of PeftModel.save_pretrained's files (a PeftModel wraps the model twice)."""
 
@@ -448,6 +450,7 @@ def _provenance(staging: Path, found: Checkpoint, plan, role: Role, formats, con
         "role": role.value,
         "formats": list(formats),
         "model_adapter": plan.model.adapter,
+        "merged_dtype": plan.export.dtype if {"diffusers", "pipeline", "vllm_omni"} & set(formats) else None,
         "dmd2_config": config,
         "files": {
             str(p.relative_to(staging)): file_sha256(p) for p in sorted(staging.rglob("*")) if p.is_file()
@@ -467,6 +470,7 @@ def _write_formats(staging: Path, loaded: LoadedRole, formats, role: Role, layou
         log(f"export: wrote the PEFT adapter ({loaded.tensor_count} tensors)")
     if {"diffusers", "pipeline", "vllm_omni"} & set(formats):
         _merge(model, loaded.base_keys, adapter_name, formats, role)
+        model.to(MERGED_DTYPES[plan.export.dtype])  # merged in float32, rounded once
         if "diffusers" in formats:
             model.save_pretrained(str(staging / DIFFUSERS_DIR), safe_serialization=True)
             log("export: wrote the merged diffusers model")

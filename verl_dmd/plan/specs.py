@@ -647,8 +647,14 @@ class ExportSpec:
     """Local diffusers pipeline directory (the teacher's) that the pipeline format copies, student merged in."""
     at_end: bool = True
     """Export the final checkpoint when training completes (verl-dmd-export does it later otherwise)."""
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """The merged model's weights (diffusers, pipeline, vllm_omni): bfloat16, as released distilled models
+    ship (half the disk and IO), or float32; each weight is merged in float32, then rounded once. The
+    peft adapter keeps the trained dtype."""
 
     def validate(self, key: str) -> None:
+        if self.dtype not in ("bfloat16", "float32"):
+            raise error(f"{key}.dtype", self.dtype, "must be bfloat16 or float32", f"set {key}.dtype=bfloat16")
         if not self.formats:
             raise error(
                 f"{key}.formats", [], "must list at least one of: peft, diffusers, pipeline, vllm_omni"
