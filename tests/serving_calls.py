@@ -83,8 +83,9 @@ def documented_call(family: str, pipe, block: Mapping, cond: Mapping[str, torch.
 
 
 def vllm_omni_call(family: str, directory: Path, cond: Mapping[str, torch.Tensor], noise: torch.Tensor,
-                   size: tuple[int, int], num_frames: int | None = None) -> torch.Tensor:  # fmt: skip
-    """The `vllm_omni` directory sampled as vllm-omni's DMD2 pipeline samples it (see the module docstring)."""
+                   size: tuple[int, int], num_frames: int | None = None, lora: Path | None = None) -> torch.Tensor:  # fmt: skip
+    """The `vllm_omni` directory sampled as vllm-omni's DMD2 pipeline samples it (see the module docstring);
+    with `lora` (a peft export), the adapter loaded on it (``--lora-path``; placed here by diffusers)."""
     import diffusers
     from diffusers import FlowMatchEulerDiscreteScheduler
 
@@ -93,6 +94,8 @@ def vllm_omni_call(family: str, directory: Path, cond: Mapping[str, torch.Tensor
     served = serving.read_served(json.loads((directory / "model_index.json").read_text()))
     assert served["dmd2"] and served["fell_back"] is None, served
     pipe = getattr(diffusers, DIFFUSERS_CLASS[family]).from_pretrained(str(directory), local_files_only=True)
+    if lora is not None:
+        pipe.load_lora_weights(str(lora))
     scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=1.0,
                                                 stochastic_sampling=served["stochastic"])  # fmt: skip
     own = scheduler.set_timesteps

@@ -147,6 +147,10 @@ def test_lora_export_round_trips_through_peft_and_diffusers(tmp_path, layout, wo
 
         info = json.loads((out / EXPORT_INFO).read_text())
         assert info["role"] == role and info["global_step"] == 2 and info["merged_dtype"] == "float32"
+        from verl_dmd.digests import model_digests
+
+        assert info["teacher"] == {"path": teacher_dir, "subfolder": None, "pipeline_class": None,
+                                   **model_digests(Path(teacher_dir))}  # fmt: skip
         for relative, digest in info["files"].items():
             assert file_sha256(out / relative) == digest, relative
 

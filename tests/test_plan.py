@@ -14,6 +14,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from verl_dmd.plan import (
+    LOCATION_KEYS,
     RESUME_MUTABLE_KEYS,
     TRACKING_BACKENDS,
     DistillationPlan,
@@ -410,10 +411,12 @@ ALTERNATIVES = {
     "model.teacher.path": None,  # changed as a whole source below
     "model.teacher.subfolder": None,
     "model.teacher.config": {"sample_size": 8, "num_layers": 3},
+    "model.teacher.content_sha256": "a" * 64,  # needs a path: see COMPOSITE_CHANGES
     "model.teacher.cpu_offload": True,
     "model.student.path": None,
     "model.student.subfolder": None,
     "model.student.config": None,
+    "model.student.content_sha256": "b" * 64,
     "model.student.lora.rank": 8,
     "model.student.lora.alpha": 16.0,
     "model.student.lora.dropout": 0.1,
@@ -422,6 +425,7 @@ ALTERNATIVES = {
     "model.fake_score.path": None,
     "model.fake_score.subfolder": None,
     "model.fake_score.config": None,
+    "model.fake_score.content_sha256": "c" * 64,
     "model.fake_score.lora.rank": 8,
     "model.fake_score.lora.alpha": 2.0,
     "model.fake_score.lora.dropout": 0.05,
@@ -482,6 +486,7 @@ ALTERNATIVES = {
     "export.output_dir": "/export",
     "export.pipeline_source": "/models/pipeline",
     "export.at_end": False,
+    "export.dtype": "float32",
 }
 for _role in ("student", "fake_score"):
     for _name in ("micro_batch_size", "accumulation_steps"):
@@ -537,26 +542,32 @@ COMPOSITE_CHANGES = {
         "algorithm.regression_weight": 0.25,
         "data.regression_pairs_path": "/data/pairs",
     },
-    "model.teacher.path": {"model.teacher.path": "/models/sd3", "model.teacher.config": None},
-    "model.teacher.subfolder": {
+    # A model named by path counts by its content: pinned here, so that no model needs to exist.
+    "model.teacher.content_sha256": {
         "model.teacher.path": "/models/sd3",
-        "model.teacher.subfolder": "transformer",
         "model.teacher.config": None,
+        "model.teacher.content_sha256": "a" * 64,
     },
-    "model.student.path": {"model.storage": "independent", "model.student.path": "/models/s"},
-    "model.student.subfolder": {
+    "model.student.content_sha256": {
         "model.storage": "independent",
         "model.student.path": "/models/s",
-        "model.student.subfolder": "t",
+        "model.student.content_sha256": "b" * 64,
     },
     "model.student.config": {"model.storage": "independent", "model.student.config": {"n": 1}},
-    "model.fake_score.path": {"model.storage": "independent", "model.fake_score.path": "/models/f"},
-    "model.fake_score.subfolder": {
+    "model.fake_score.content_sha256": {
         "model.storage": "independent",
-        "model.fake_score.path": "/f",
-        "model.fake_score.subfolder": "t",
+        "model.fake_score.path": "/models/f",
+        "model.fake_score.content_sha256": "c" * 64,
     },
     "model.fake_score.config": {"model.storage": "independent", "model.fake_score.config": {"n": 1}},
+}
+# Every model named by path, its content pinned: the reference for moving one (LOCATION_KEYS).
+PINNED_MODELS = {
+    "model.storage": "independent",
+    "model.teacher.config": None,
+    **COMPOSITE_CHANGES["model.teacher.content_sha256"],
+    **COMPOSITE_CHANGES["model.student.content_sha256"],
+    **COMPOSITE_CHANGES["model.fake_score.content_sha256"],
 }
 
 
@@ -587,7 +598,7 @@ def test_fingerprint_changes_with_every_semantic_key(key):
     assert any(k == key for k, _, _ in changed.semantic_differences(reference.semantic_dict()))
 
 
-@pytest.mark.parametrize("key", sorted(k for k in ALTERNATIVES if _is_mutable(k)))
+@pytest.mark.parametrize("key", sorted(k for k in ALTERNATIVES if _is_mutable(k) and k not in LOCATION_KEYS))
 def test_fingerprint_ignores_resume_mutable_keys(key):
     """Changing a resume-mutable key leaves the fingerprint and the semantic diff unchanged."""
     reference = DistillationPlan.from_config(valid_config())
@@ -597,6 +608,17 @@ def test_fingerprint_ignores_resume_mutable_keys(key):
     assert get_dotted(changed.to_dict(), key) != get_dotted(reference.to_dict(), key)
     assert changed.fingerprint() == reference.fingerprint()
     assert changed.semantic_differences(reference.semantic_dict()) == []
+
+
+@pytest.mark.parametrize("key", LOCATION_KEYS)
+def test_where_a_model_lies_is_no_semantic_key(key):
+    """A model moved elsewhere (another path or subfolder, the same content) leaves the fingerprint as it was;
+    tests/test_teacher_identity.py reads real model folders."""
+    reference = DistillationPlan.from_config(with_overrides(PINNED_MODELS))
+    moved = DistillationPlan.from_config(with_overrides({**PINNED_MODELS, key: "/elsewhere/t"}))
+    assert get_dotted(moved.to_dict(), key) != get_dotted(reference.to_dict(), key)
+    assert moved.fingerprint() == reference.fingerprint()
+    assert moved.semantic_differences(reference.semantic_dict()) == []
 
 
 def _shuffled(tree, rng):

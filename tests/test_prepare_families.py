@@ -42,14 +42,22 @@ pytestmark = pytest.mark.slow
 EXTRAS = {
     "sd3": ({"prepare.real_images": "{images}"},
             {"algorithm.gan_generator_weight": 0.01, "algorithm.gan_discriminator_weight": 0.01,
-             "export.formats": "[peft,diffusers,pipeline]", "export.pipeline_source": "{pipeline}"}),
+             "export.formats": "[peft,diffusers,pipeline,lora_pipeline]", "export.pipeline_source": "{pipeline}"}),
     "flux": ({"prepare.guidance_embedding": 2.5},
              {"export.formats": "[peft,diffusers,pipeline,vllm_omni]", "export.pipeline_source": "{pipeline}"}),
-    "qwen_image": ({}, {"export.formats": "[peft,diffusers,vllm_omni]", "export.pipeline_source": "{pipeline}"}),
+    # attention q, k, v alone: targets vllm-omni's Qwen-Image LoRA loader places (not to_out.0: serving.py)
+    "qwen_image": ({}, {"export.formats": "[peft,diffusers,vllm_omni,lora_vllm_omni]",
+                        "export.pipeline_source": "{pipeline}", "model.student.lora.target_modules": "[to_q,to_k,to_v]"}),
     "wan": ({"prepare.real_images": "{images}", "prepare.teacher_pairs": "true"},
             {"algorithm.regression_weight": 0.25, "algorithm.gan_discriminator_weight": 0.01,
              "export.formats": "[peft,diffusers,pipeline,vllm_omni]", "export.pipeline_source": "{pipeline}"}),
 }  # fmt: skip
+
+
+# The serving targets each family's run round-trips (the pipeline target always: exported for the check if the
+# run did not).
+SERVED = {"sd3": {"pipeline", "lora_pipeline"}, "flux": {"pipeline", "vllm_omni"},
+          "qwen_image": {"pipeline", "vllm_omni", "lora_vllm_omni"}, "wan": {"pipeline", "vllm_omni"}}  # fmt: skip
 
 
 def serving_embeddings(family: str, pipe, prompts: list[str]) -> tuple[dict[str, torch.Tensor], dict]:
@@ -226,6 +234,18 @@ def check_round_trip(family: str, exported: Path, plan, tmp_path: Path) -> None:
         with fresh_noise(draws) as drawn:
             served["vllm_omni"] = vllm_omni_call(family, exported / "vllm_omni", cond, noise, size, frames)
         assert len(drawn) == steps, drawn
+    if (exported / "lora_pipeline").is_dir():  # the adapter served on the teacher's linked files
+        teacher = sorted((exported / "lora_pipeline" / "transformer").glob("*.safetensors"))[0]
+        assert os.path.samefile(teacher, Path(plan.model.teacher.path) / "transformer" / teacher.name)
+        lora_pipe = DiffusionPipeline.from_pretrained(str(exported / "lora_pipeline"), local_files_only=True)
+        lora_pipe.load_lora_weights(str(exported / "peft"))
+        with fresh_noise(draws):
+            served["lora_pipeline"] = documented_call(family, lora_pipe, block, cond, noise, size, frames)
+    if (exported / "lora_vllm_omni").is_dir():
+        with fresh_noise(draws):
+            served["lora_vllm_omni"] = vllm_omni_call(family, exported / "lora_vllm_omni", cond, noise, size, frames,
+                                                      lora=exported / "peft")  # fmt: skip
+    assert set(served) == SERVED[family], served.keys()
     errors = {target: float((got - want).abs().max()) for target, got in served.items()}
     assert all(error < 1e-5 for error in errors.values()), errors
 

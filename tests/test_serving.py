@@ -179,6 +179,48 @@ def test_sd3_has_no_vllm_omni_class_and_is_refused_before_training(tmp_path):
     check_export_targets(Plan)
 
 
+@pytest.mark.parametrize(
+    ("pipeline_class", "rank", "targets", "problem"),
+    [
+        ("FluxPipeline", 64, ("to_q", "to_k", "to_v", "to_out.0"), "to_q (fused into to_qkv)"),
+        ("QwenImagePipeline", 64, ("to_q", "to_k", "to_v", "to_out.0"), "to_out.0 (named to_out)"),
+        (
+            "WanPipeline",
+            64,
+            ("to_q", "to_k", "to_v", "ffn.net.0.proj"),
+            "ffn.net.0.proj (named ffn.net_0.proj)",
+        ),
+        ("QwenImagePipeline", 64, ("to_q", "to_k", "to_v"), None),
+        ("FluxPipeline", 64, ("to_out.0", "proj_mlp"), None),
+        ("QwenImagePipeline", 1024, ("to_q",), "rank 1024 is above vllm-omni's largest, 512"),
+        ("QwenImagePipeline", 8, ("transformer_blocks.0.attn.to_out.0",), "to_out.0 (named to_out)"),
+    ],
+)
+def test_a_lora_vllm_omni_would_not_place_is_named(pipeline_class, rank, targets, problem):
+    """Our default targets (q, k, v, out) are among those vllm-omni's peft LoRA loader cannot place on
+    Flux, Qwen-Image or Wan (read from its code): refused, naming the target and why."""
+    got = serving.vllm_omni_lora_problem(pipeline_class, rank, targets)
+    assert (got is None) if problem is None else (problem in got), got
+
+
+def test_a_lora_vllm_omni_export_vllm_omni_would_misplace_is_refused_before_training(tmp_path):
+    from verl_dmd.main import compose_plan
+    from verl_dmd.preflight import check_export_targets
+
+    source = tmp_path / "qwen"
+    source.mkdir()
+    (source / "model_index.json").write_text(json.dumps({"_class_name": "QwenImagePipeline"}))
+    overrides = [f"model.teacher.path={source}", f"data.path={tmp_path}", "model.student.lora.rank=4", "model.fake_score.lora.rank=4",
+                 "export.formats=[peft,lora_vllm_omni]", f"export.pipeline_source={source}"]  # fmt: skip
+    with pytest.raises(PlanError) as err:
+        check_export_targets(compose_plan("qwen_image_lora_dmd2", overrides))
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("config key 'export.formats' lists lora_vllm_omni: ")
+    assert "to_out.0 (named to_out)" in message and "fix: serve the merged student" in message
+    check_export_targets(compose_plan("qwen_image_lora_dmd2", [*overrides,
+                                      "model.student.lora.target_modules=[to_q,to_k,to_v]"]))  # fmt: skip
+
+
 def test_the_guidance_embedding_served_is_the_data_sets(tmp_path):
     from verl_dmd.data.prepared import FORMAT, MANIFEST
 

@@ -7,7 +7,12 @@ folder's digest is kept in a small JSON cache (``$VERL_DMD_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/verl_dmd``, else ``~/.cache/verl_dmd``) under the folder's real
 path, valid while every weight file keeps its name, size, modification time and
 inode. An edit that preserves all four (not something tools do) would go unseen;
-``VERL_DMD_CACHE_DIR=off`` turns the cache off. An unwritable cache is skipped.
+``VERL_DMD_CACHE_DIR=off`` turns the cache off. An unwritable cache is skipped. A
+process also keeps each digest in memory under the same rule (``off`` included), so
+asking again costs a ``stat`` per weight file, not a read of the cache file.
+
+A model folder's identity (`model_digests`) adds its ``config.json`` to its weights:
+a plan's fingerprint holds it for each model the plan names by path.
 
 Layer 1: the standard library only.
 """
@@ -26,6 +31,9 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin")
 OTHER_WEIGHT_SUFFIXES = (".msgpack", ".h5", ".onnx", ".ckpt", ".pt", ".pth", ".gguf")
 """Weights of other frameworks a model folder may also hold; diffusers and transformers load neither here."""
 CACHE_FILE = "weights-sha256.json"
+MODEL_CONFIG = "config.json"
+_REMEMBERED: dict[str, tuple[list, str]] = {}
+"""This process's weight digests: the folder's real path -> (its weight files' stats, the digest)."""
 
 
 def file_sha256(path: Path) -> str:
@@ -93,9 +101,13 @@ def weights_sha256(folder: Path) -> str:
     cache_path = _cache_path()
     key = str(folder.resolve())
     stats = _stats(files)
+    remembered = _REMEMBERED.get(key)
+    if remembered is not None and remembered[0] == stats:
+        return remembered[1]
     entries = _read_cache(cache_path)
     cached = entries.get(key)
     if isinstance(cached, dict) and cached.get("stats") == stats and isinstance(cached.get("sha256"), str):
+        _REMEMBERED[key] = (stats, cached["sha256"])
         return cached["sha256"]
     digest = hashlib.sha256()
     for file in files:
@@ -104,10 +116,27 @@ def weights_sha256(folder: Path) -> str:
             for block in iter(lambda h=handle: h.read(1 << 20), b""):
                 digest.update(block)
     value = digest.hexdigest()
+    _REMEMBERED[key] = (stats, value)
     entries = _read_cache(cache_path)  # re-read: another process may have added entries meanwhile
     entries[key] = {"stats": stats, "sha256": value}
     _write_cache(cache_path, entries)
     return value
+
+
+def model_digests(folder: Path) -> dict[str, str]:
+    """A model folder's identity by content, the same wherever the folder lies or is called.
+
+    ``weights_sha256`` (`weights_sha256`), ``config_sha256`` (its config.json's bytes: a changed config is
+    another model, whatever the weights) and ``content_sha256`` (one digest of the two). ValueError (one
+    line) when the folder holds no config.json or no weight file.
+    """
+    folder = Path(folder)
+    if not (folder / MODEL_CONFIG).is_file():
+        raise ValueError(f"{folder}: no {MODEL_CONFIG} to identify the model by")
+    weights = weights_sha256(folder)
+    config = file_sha256(folder / MODEL_CONFIG)
+    content = hashlib.sha256(f"weights {weights}\n{MODEL_CONFIG} {config}\n".encode()).hexdigest()
+    return {"weights_sha256": weights, "config_sha256": config, "content_sha256": content}
 
 
 def config_files_sha256(folder: Path) -> str:

@@ -74,11 +74,17 @@ def schedule_preview(plan: DistillationPlan, num_phases: int) -> list[str]:
 
 
 def describe(plan: DistillationPlan) -> str:
-    """A human-readable summary: the resolved plan, its fingerprint and the schedule."""
+    """A human-readable summary: the resolved plan, its fingerprint and the schedule. The fingerprint holds
+    the content of the models named by path (read here, cached afterwards); where one is not at hand (a
+    plan looked at on another machine) the line says why instead."""
+    try:
+        fingerprint = plan.fingerprint()
+    except PlanError as err:
+        fingerprint = f"not computed here ({err})"
     lines = [
         "verl_dmd resolved plan:",
         OmegaConf.to_yaml(OmegaConf.create(plan.to_dict())).rstrip(),
-        f"plan fingerprint: {plan.fingerprint()}",
+        f"plan fingerprint: {fingerprint}",
         f"world size: {plan.resources.world_size} worker(s) on {plan.resources.device}",
         f"first {PREVIEW_PHASES} phases (all succeeding): "
         + " ".join(schedule_preview(plan, PREVIEW_PHASES)),

@@ -26,6 +26,8 @@ from verl_dmd.plan import DistillationPlan, PlanError
 from verl_dmd.plan.schema import error
 
 MODEL_ROLES = ("teacher", "student", "fake_score")
+SECOND_EXPERT = "transformer_2"
+"""The component of a pipeline's model_index.json that holds Wan 2.2's second (low-noise) expert."""
 LORA_ROLES = ("student", "fake_score")
 # diffusers' weight file names (diffusers.utils.constants): what `from_pretrained` reads without a variant.
 WEIGHT_FILES = (
@@ -40,6 +42,7 @@ def preflight(plan: DistillationPlan, *, backend: str) -> None:
     """Every check of a training run on `backend` (ray or local), cheapest first; PlanError with one line."""
     plan.check_local_paths()
     check_model_dirs(plan)
+    check_one_transformer(plan)
     check_output_paths(plan)
     check_export_targets(plan)
     check_resources(plan, backend=backend)
@@ -47,6 +50,7 @@ def preflight(plan: DistillationPlan, *, backend: str) -> None:
     check_names_early(plan)  # no torch: a misspelt name is refused in a second
     from_headers = check_models_from_headers(plan)  # no torch, no diffusers: before the imports below
     check_registered(plan)
+    check_model_contents(plan)  # a first read hashes the weights (seconds per GB), then cached by file stats
     check_resume(plan)
     check_data(plan)
     if not from_headers:
@@ -57,6 +61,7 @@ def preflight_export(plan: DistillationPlan) -> None:
     """The checks of `verl-dmd-export`: its inputs, its output directory and the checkpoint it reads."""
     plan.check_local_paths()
     check_model_dirs(plan)
+    check_one_transformer(plan)
     if plan.checkpoint.resume == "disable":
         raise error("checkpoint.resume", "disable", "export needs a checkpoint",
                     "checkpoint.resume=auto (the newest) or checkpoint.resume=<checkpoint directory>")  # fmt: skip
@@ -69,6 +74,7 @@ def preflight_export(plan: DistillationPlan) -> None:
         found = CheckpointStore(checkpoint_root(plan)).candidates("auto")
         if not found.checkpoints and not found.damaged:  # damaged ones: check_resume names them
             raise no_checkpoint(checkpoint_root(plan))
+    check_model_contents(plan)
     check_resume(plan)
 
 
@@ -115,7 +121,8 @@ def check_export_targets(plan: DistillationPlan) -> None:
     from verl_dmd.checkpoint.serving import VLLM_OMNI_CLASSES
 
     source = plan.export.pipeline_source
-    if "vllm_omni" not in plan.export.formats or not source:
+    vllm_omni = {"vllm_omni", "lora_vllm_omni"} & set(plan.export.formats)
+    if not vllm_omni or not source:
         return
     try:
         class_name = json.loads((Path(source) / "model_index.json").read_text()).get("_class_name")
@@ -126,7 +133,16 @@ def check_export_targets(plan: DistillationPlan) -> None:
         raise error("export.formats", list(plan.export.formats),
                     f"vllm-omni has no DMD2 pipeline for a {class_name} (it serves students of "
                     f"{', '.join(sorted(VLLM_OMNI_CLASSES))})",
-                    "drop vllm_omni; the pipeline format serves with diffusers (docs/serving.md)")  # fmt: skip
+                    f"drop {', '.join(sorted(vllm_omni))}; the pipeline format serves with diffusers "
+                    "(docs/serving.md)")  # fmt: skip
+    if "lora_vllm_omni" in vllm_omni:
+        from verl_dmd.adapters import get_adapter
+        from verl_dmd.checkpoint.export import ExportError, check_vllm_omni_lora
+
+        try:
+            check_vllm_omni_lora(plan, class_name, get_adapter(plan.model.adapter)())
+        except ExportError as err:
+            raise PlanError(str(err)) from None
 
 
 def check_directory(key: str, value: str | None, path: Path) -> None:
@@ -410,6 +426,46 @@ def check_model_dirs(plan: DistillationPlan) -> None:
         spec = getattr(plan.model, role)
         if spec.path is not None:
             read_model_config(f"model.{role}", spec)
+
+
+def check_one_transformer(plan: DistillationPlan) -> None:
+    """The teacher's pipeline (`verl_dmd.data.prepared.teacher_pipeline`) has one transformer. Wan 2.2's
+    A14B pipelines list a second, ``transformer_2``: two experts, one denoising the high noise levels and one
+    the low. A run distils one transformer, so it would learn from one expert as if it were the teacher."""
+    from verl_dmd.data.prepared import teacher_pipeline
+
+    root = teacher_pipeline(plan)
+    if root is None:
+        return
+    try:
+        components = json.loads((root / "model_index.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise error("model.teacher.path", plan.model.teacher.path, f"{root / 'model_index.json'} is not "
+                    f"readable JSON ({err})", "restore the pipeline's model_index.json") from None  # fmt: skip
+    entry = components.get(SECOND_EXPERT) if isinstance(components, dict) else None
+    named = [part for part in entry if part is not None] if isinstance(entry, list) else [entry]
+    if entry is not None and named:
+        raise error("model.teacher.path", plan.model.teacher.path,
+                    f"its model_index.json lists a second transformer, {SECOND_EXPERT} ({named[-1]}): a Wan 2.2 "
+                    "teacher of two experts (high and low noise levels); verl_dmd distils one transformer, and "
+                    "distilling both experts is not supported",
+                    "use a pipeline with one transformer (Wan 2.1, or Wan 2.2 TI2V-5B)")  # fmt: skip
+
+
+def check_model_contents(plan: DistillationPlan) -> None:
+    """Each model named by path is identified by content here, on the driver, before the workers start
+    (`DistillationPlan.model_identity`: the plan's fingerprint holds it), and a pinned
+    ``model.<role>.content_sha256`` is that model's."""
+    for role in MODEL_ROLES:
+        spec = getattr(plan.model, role)
+        if spec.path is None:
+            continue
+        found = plan.model_identity(role)["content_sha256"]
+        if spec.content_sha256 is not None and spec.content_sha256 != found:
+            raise error(f"model.{role}.content_sha256", spec.content_sha256,
+                        f"the model at model.{role}.path = {spec.path!r} has content {found} (its weights or "
+                        "config.json differ)", f"point model.{role}.path at the model the digest names, or set "
+                        f"model.{role}.content_sha256=null to take the model there")  # fmt: skip
 
 
 def read_model_config(prefix: str, spec) -> dict:

@@ -11,13 +11,17 @@ it comes from ``model.teacher`` again, as it does on resume). Layout of
   own layout (``PeftModel.from_pretrained``), plus ``pytorch_lora_weights.safetensors``
   in diffusers' layout with its adapter metadata (``pipe.load_lora_weights(dir)``,
   ``transformer.load_lora_adapter``);
-- ``diffusers/``: the merged model through ``save_pretrained`` (safetensors);
+- ``diffusers/``: the merged model through ``save_pretrained`` (safetensors), merged in float32 and
+  written in ``export.dtype`` (bfloat16 by default);
 - ``pipeline/``: a copy of ``export.pipeline_source`` (files hard-linked where
   possible) with the merged model as its transformer, a scheduler config that makes
   the family's diffusers call sample the trained schedule, and a ``dmd2_config``
   block in ``model_index.json`` (the sampling schedule the student was trained for);
 - ``vllm_omni/``: the same directory (hard links to ``pipeline/``'s files) under
   vllm-omni's DMD2 class name, which reads the block (`verl_dmd.checkpoint.serving`);
+- ``lora_pipeline/``, ``lora_vllm_omni/``: the teacher's pipeline with every file linked
+  (its transformer too), the scheduler and the block as above: where ``peft/`` is served;
+  the vllm-omni one only for adapters its LoRA loader places (`check_vllm_omni_lora`);
 - ``export.json``: where it came from (checkpoint, step, plan fingerprint, role)
   and the SHA-256 of every file written.
 
@@ -57,6 +61,9 @@ from verl_dmd.runtime.layouts import StorageLayout, layout_for
 from verl_dmd.runtime.naming import RoleTensors, canonical_name
 
 PEFT_DIR, DIFFUSERS_DIR, PIPELINE_DIR, VLLM_OMNI_DIR = "peft", "diffusers", "pipeline", "vllm_omni"
+LORA_PIPELINE_DIR, LORA_VLLM_OMNI_DIR = "lora_pipeline", "lora_vllm_omni"
+MERGED_FORMATS = {"diffusers", "pipeline", "vllm_omni"}
+LORA_SERVING_FORMATS = {"lora_pipeline", "lora_vllm_omni"}
 PEFT_WEIGHTS = "adapter_model.safetensors"
 PEFT_CONFIG = "adapter_config.json"
 DIFFUSERS_LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
@@ -263,7 +270,7 @@ def _merge(model: nn.Module, base_keys: set[str], adapter_name: str | None, form
     check_finite(state, f"merged {role.value}")
 
 
-def _link_or_copy_tree(source: Path, target: Path, skip: str) -> None:
+def _link_or_copy_tree(source: Path, target: Path, skip: str | None) -> None:
     """Copy a pipeline directory, hard-linking files where the file system allows; skip one component."""
     for entry in sorted(source.iterdir()):
         if entry.name in (skip, "model_index.json"):
@@ -309,14 +316,16 @@ def _write_json(path: Path, value: dict[str, Any]) -> None:
     path.write_text(json.dumps(value, indent=2, sort_keys=True) + "\n")
 
 
-def _write_pipeline(model: nn.Module, pipeline: tuple[Path, dict[str, Any]], component: str, config, shift: float,
-                    parameterization: str, out: Path) -> None:  # fmt: skip
-    """The teacher's pipeline directory with the student as `component`, its scheduler set to the trained
-    schedule's sampler and the `dmd2_config` block (nested and flat) in model_index.json."""
+def _write_pipeline(model: nn.Module | None, pipeline: tuple[Path, dict[str, Any]], component: str, config,
+                    shift: float, parameterization: str, out: Path) -> None:  # fmt: skip
+    """The teacher's pipeline directory with the student as `component` (None: the teacher's own, linked: a
+    LoRA is loaded on it), its scheduler set to the trained schedule's sampler and the `dmd2_config` block
+    (nested and flat) in model_index.json."""
     source, index = pipeline
     out.mkdir()
-    _link_or_copy_tree(source, out, skip=component)
-    model.save_pretrained(str(out / component), safe_serialization=True)
+    _link_or_copy_tree(source, out, skip=component if model is not None else None)
+    if model is not None:
+        model.save_pretrained(str(out / component), safe_serialization=True)
     if (source / SCHEDULER_CONFIG).is_file() and "scheduler" in index:
         scheduler = json.loads((source / SCHEDULER_CONFIG).read_text())
         _write_json(
@@ -335,18 +344,26 @@ def _write_vllm_omni(pipeline_dir: Path, out: Path) -> None:
 
 
 def _check_request(plan, role: Role, formats: tuple[str, ...]) -> None:
+    unknown = sorted(set(formats) - MERGED_FORMATS - LORA_SERVING_FORMATS - {"peft"})
+    if unknown:
+        raise ExportError(f"config key 'export.formats' lists {unknown[0]!r}: allowed: peft, diffusers, pipeline, "
+                          "vllm_omni, lora_pipeline, lora_vllm_omni")  # fmt: skip
     if role not in (Role.STUDENT, Role.STUDENT_EMA):
         raise ExportError(f"config key 'export.role' = {role.value!r}: allowed: student, student_ema")
     if role is Role.STUDENT_EMA and not plan.ema.enabled:
         raise ExportError(
             "config key 'export.role' = 'student_ema': ema.enabled is false; fix: export.role=student"
         )
-    if "peft" in formats and not plan.model.student.lora.enabled:
-        raise ExportError(
-            f"config key 'export.formats' = {list(formats)}: the peft format needs a LoRA student; fix: export "
-            "diffusers (and pipeline) only"
-        )
-    for needs in ("pipeline", "vllm_omni"):
+    for lora_format in ("peft", *sorted(LORA_SERVING_FORMATS & set(formats))):
+        if lora_format in formats and not plan.model.student.lora.enabled:
+            raise ExportError(
+                f"config key 'export.formats' = {list(formats)}: the {lora_format} format needs a LoRA student; "
+                "fix: export diffusers (and pipeline) only"
+            )
+    if LORA_SERVING_FORMATS & set(formats) and "peft" not in formats:
+        raise ExportError(f"config key 'export.formats' = {list(formats)}: a lora_* directory serves the adapter "
+                          "of the peft format beside it; fix: list peft too")  # fmt: skip
+    for needs in ("pipeline", "vllm_omni", *sorted(LORA_SERVING_FORMATS)):
         if needs in formats and not plan.export.pipeline_source:
             raise ExportError(f"config key 'export.pipeline_source' = None: the {needs} format needs it")
 
@@ -413,10 +430,12 @@ def export_checkpoint(
     check_plan(found, plan)
     adapter = get_adapter(plan.model.adapter)()
     component = getattr(adapter, "pipeline_component", "transformer")
-    serves = "pipeline" in formats or "vllm_omni" in formats
+    serves = bool({"pipeline", "vllm_omni"} & set(formats) or LORA_SERVING_FORMATS & set(formats))
     pipeline = _pipeline_source(plan, component) if serves else None
-    if "vllm_omni" in formats:
+    if "vllm_omni" in formats or "lora_vllm_omni" in formats:
         serving.vllm_omni_class(pipeline[1].get("_class_name"))  # refused before anything is read
+    if "lora_vllm_omni" in formats:
+        check_vllm_omni_lora(plan, pipeline[1].get("_class_name"), adapter)
     log(f"export: reading role {role.value} from {found.path}")
     layout = layout_for(plan, adapter)
     loaded = load_role(layout, found, role)
@@ -450,7 +469,8 @@ def _provenance(staging: Path, found: Checkpoint, plan, role: Role, formats, con
         "role": role.value,
         "formats": list(formats),
         "model_adapter": plan.model.adapter,
-        "merged_dtype": plan.export.dtype if {"diffusers", "pipeline", "vllm_omni"} & set(formats) else None,
+        "teacher": _teacher_identity(plan),
+        "merged_dtype": plan.export.dtype if MERGED_FORMATS & set(formats) else None,
         "dmd2_config": config,
         "files": {
             str(p.relative_to(staging)): file_sha256(p) for p in sorted(staging.rglob("*")) if p.is_file()
@@ -468,14 +488,18 @@ def _write_formats(staging: Path, loaded: LoadedRole, formats, role: Role, layou
             log(f"export: note: {note}")
         _write_peft(model, adapter_name, component, base, staging / PEFT_DIR)
         log(f"export: wrote the PEFT adapter ({loaded.tensor_count} tensors)")
-    if {"diffusers", "pipeline", "vllm_omni"} & set(formats):
+    if LORA_SERVING_FORMATS & set(formats):
+        _write_lora_serving(
+            pipeline, component, config, _scheduler_shift(plan), layout, formats, staging, log
+        )
+    if MERGED_FORMATS & set(formats):
         _merge(model, loaded.base_keys, adapter_name, formats, role)
         model.to(MERGED_DTYPES[plan.export.dtype])  # merged in float32, rounded once
         if "diffusers" in formats:
             model.save_pretrained(str(staging / DIFFUSERS_DIR), safe_serialization=True)
             log("export: wrote the merged diffusers model")
         if pipeline is not None:
-            shift = 1.0 if plan.algorithm.student_sigmas else plan.algorithm.sigma_shift
+            shift = _scheduler_shift(plan)
             served = staging / (PIPELINE_DIR if "pipeline" in formats else f".{PIPELINE_DIR}")
             _write_pipeline(
                 model, pipeline, component, config, shift, layout.adapter.parameterization, served
@@ -486,3 +510,49 @@ def _write_formats(staging: Path, loaded: LoadedRole, formats, role: Role, layou
                 log("export: wrote the vllm-omni directory (its DMD2 class reads dmd2_config)")
             if "pipeline" not in formats:
                 shutil.rmtree(served)
+
+
+def _scheduler_shift(plan) -> float:
+    """The shift of the exported diffusers scheduler: the trained one, or 1 for explicit levels (passed as
+    they are)."""
+    return 1.0 if plan.algorithm.student_sigmas else plan.algorithm.sigma_shift
+
+
+def _write_lora_serving(pipeline, component: str, config, shift: float, layout: StorageLayout, formats, staging: Path,
+                        log: Callable[[str], None]) -> None:  # fmt: skip
+    """The teacher's pipeline, every file linked (its transformer too), with the trained scheduler and block:
+    the directory a LoRA is served on (`lora_pipeline`, diffusers), and under vllm-omni's DMD2 class
+    (`lora_vllm_omni`); the adapter is the peft format's, beside them."""
+    served = staging / (LORA_PIPELINE_DIR if "lora_pipeline" in formats else f".{LORA_PIPELINE_DIR}")
+    _write_pipeline(None, pipeline, component, config, shift, layout.adapter.parameterization, served)
+    log(f"export: wrote the LoRA serving pipeline (the teacher's files linked from {pipeline[0]})")
+    if "lora_vllm_omni" in formats:
+        _write_vllm_omni(served, staging / LORA_VLLM_OMNI_DIR)
+        log("export: wrote the LoRA serving directory for vllm-omni (--lora-path <export>/peft)")
+    if "lora_pipeline" not in formats:
+        shutil.rmtree(served)
+
+
+def check_vllm_omni_lora(plan, pipeline_class: str | None, adapter) -> None:
+    """The student's LoRA (rank, targets) is one vllm-omni's loader serves as trained; ExportError otherwise."""
+    spec = plan.model.student.lora
+    targets = tuple(spec.target_modules or adapter.default_lora_targets)
+    problem = serving.vllm_omni_lora_problem(str(pipeline_class), spec.rank, targets)
+    if problem:
+        raise ExportError(
+            f"config key 'export.formats' lists lora_vllm_omni: {problem}; fix: serve the merged student "
+            "(vllm_omni), or train on targets it places (docs/serving.md, LoRA)"
+        )
+
+
+def _teacher_identity(plan) -> dict[str, Any]:
+    """The teacher by content (SHA-256 of its weights and config.json) besides its path, and the class of the
+    pipeline it belongs to (None for a bare model directory or a config-built teacher)."""
+    from verl_dmd.data.prepared import teacher_pipeline
+
+    identity = dict(plan.teacher_identity())
+    root = teacher_pipeline(plan)
+    identity["pipeline_class"] = (
+        json.loads((root / "model_index.json").read_text()).get("_class_name") if root is not None else None
+    )
+    return identity

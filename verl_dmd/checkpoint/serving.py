@@ -97,6 +97,46 @@ def vllm_omni_class(pipeline_class: str) -> str:
         ) from None
 
 
+# --------------------------------------------------------------------------- LoRA served by vllm-omni
+
+VLLM_OMNI_MAX_LORA_RANK = 512
+"""The largest adapter rank vllm-omni's LoRA manager takes (it rounds ranks up to vllm's sizes, to 512)."""
+
+VLLM_OMNI_LORA_UNLOADABLE = {
+    "FluxPipeline": {
+        "to_q": "fused into to_qkv", "to_k": "fused into to_qkv", "to_v": "fused into to_qkv",
+        "add_q_proj": "fused into add_kv_proj", "add_k_proj": "fused into add_kv_proj",
+        "add_v_proj": "fused into add_kv_proj",
+    },
+    "QwenImagePipeline": {"to_out.0": "named to_out"},
+    "WanPipeline": {"to_out.0": "named to_out", "ffn.net.0.proj": "named ffn.net_0.proj",
+                    "ffn.net.2": "named ffn.net_2"},
+    "WanImageToVideoPipeline": {"to_out.0": "named to_out", "ffn.net.0.proj": "named ffn.net_0.proj",
+                                "ffn.net.2": "named ffn.net_2"},
+}  # fmt: skip
+"""Per teacher pipeline class, LoRA target names (diffusers' module names, as the adapter is trained) that
+vllm-omni's peft LoRA backend cannot put on its own transformer, and why: its Flux fuses q, k and v
+without the mapping that splits an adapter onto the fused layer (loading fails); its Qwen-Image and Wan
+rename modules, and the peft backend maps no names (those weights are dropped without a word). Read
+from its code (a fork carrying the upstream merges, 2026-08-18), not run: vllm-omni cannot be installed
+here."""
+
+
+def vllm_omni_lora_problem(pipeline_class: str, rank: int, targets, use_dora: bool = False) -> str | None:
+    """Why vllm-omni would not serve a LoRA of `rank` on `targets` (diffusers module names) as trained on a
+    `pipeline_class` student (None: it would)."""
+    if rank > VLLM_OMNI_MAX_LORA_RANK:
+        return f"rank {rank} is above vllm-omni's largest, {VLLM_OMNI_MAX_LORA_RANK}"
+    if use_dora:
+        return "vllm-omni does not load DoRA adapters"
+    unloadable = VLLM_OMNI_LORA_UNLOADABLE.get(pipeline_class, {})
+    missed = [name for name in unloadable if any(t == name or t.endswith("." + name) for t in targets)]
+    if missed:
+        why = ", ".join(f"{name} ({unloadable[name]})" for name in missed)
+        return f"vllm-omni's {pipeline_class} LoRA loader cannot place targets {why}"
+    return None
+
+
 # --------------------------------------------------------------------------- reading, as vllm-omni does
 
 

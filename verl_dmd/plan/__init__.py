@@ -11,6 +11,8 @@ from verl_dmd.plan.schema import PlanError, flatten
 from verl_dmd.plan.specs import (
     ADDED_KEYS,
     FINGERPRINT_SCHEMA,
+    LOCATION_KEYS,
+    MODEL_SOURCES,
     RESUME_MUTABLE_KEYS,
     TRACKING_BACKENDS,
     AlgorithmSpec,
@@ -39,6 +41,8 @@ from verl_dmd.plan.specs import (
 __all__ = [
     "ADDED_KEYS",
     "FINGERPRINT_SCHEMA",
+    "LOCATION_KEYS",
+    "MODEL_SOURCES",
     "RESUME_MUTABLE_KEYS",
     "TRACKING_BACKENDS",
     "AlgorithmSpec",

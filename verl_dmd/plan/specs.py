@@ -8,7 +8,8 @@ one line naming the key, the value, what is allowed and the fix.
 
 `plan.fingerprint()` hashes the fields that change what training computes. The
 keys a resume may change (logging, cadences, total steps, resources, paths of
-outputs) are listed once, in `RESUME_MUTABLE_KEYS`, and excluded.
+outputs, where the models lie) are listed once, in `RESUME_MUTABLE_KEYS`, and
+excluded; a model named by path counts by its content instead (`model_content`).
 
 Layer 1: no torch, no distribution, no ray, no verl.
 """
@@ -19,6 +20,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
@@ -60,6 +62,17 @@ ADDED_KEYS: dict[str, Any] = {
     "algorithm.fake_score_weighting": "uniform",  # after commit 1018912: the loss was the velocity MSE
 }
 
+MODEL_SOURCES = ("teacher", "student", "fake_score")
+"""The roles whose model a plan names (``model.<role>``): by path, by config, or (student, fake score) not at
+all (a copy of the teacher)."""
+
+# A model named by path is identified by its content (model.<role>.content_sha256 in the semantic dict), not
+# by where it lies. A checkpoint written before that holds no content_sha256 and was written under a plan whose
+# path and subfolder were semantic: it resumes under the same path and subfolder, and only under them
+# (DistillationPlan.semantic_differences).
+LOCATION_KEYS: tuple[str, ...] = tuple(f"model.{role}.{name}" for role in MODEL_SOURCES
+                                       for name in ("path", "subfolder"))  # fmt: skip
+
 # Dotted keys (a key covers everything below it) that a resume may change. They
 # shape logging, cadence, placement and outputs, never the sequence of updates.
 # Changing the world size changes the global batch; the checkpoint manifest
@@ -80,6 +93,8 @@ RESUME_MUTABLE_KEYS: tuple[str, ...] = (
     "model.compile",
     "model.compile_backend",
     "model.teacher.cpu_offload",
+    # Where the models lie, not what they are: the semantic dict holds their content (LOCATION_KEYS).
+    *LOCATION_KEYS,
     "resources",
     "checkpoint",
     "validation",
@@ -150,16 +165,22 @@ class TeacherSpec:
     """Where the teacher (and, in the shared layout, the base carrying the adapters) comes from."""
 
     path: str | None = None
-    """Local diffusers model directory (nothing is ever downloaded)."""
+    """Local diffusers model directory (nothing is ever downloaded); the run counts the model by its content
+    (content_sha256), not by where it lies."""
     subfolder: str | None = None
     """Subfolder of `path` holding the denoiser, e.g. "transformer" in a pipeline directory."""
     config: Mapping[str, Any] | None = None
     """A model config to build a randomly initialised model (tests and benchmarks)."""
+    content_sha256: str | None = None
+    """With path: the model's identity by content (SHA-256 of its weights and config.json), which the plan's
+    fingerprint holds instead of path and subfolder, so a teacher moved elsewhere resumes and a changed one
+    does not. null: read from path when first needed; set: the model there must have it (checked before
+    the run starts). The driver sets it for the workers, so none of them hashes the model again."""
     cpu_offload: bool = False
     """Keep the frozen weights on the host with FSDP2 CPU offload (saves device memory, costs copies)."""
 
     def validate(self, key: str) -> None:
-        _check_source(key, self.path, self.subfolder, self.config, required=True)
+        _check_source(key, self.path, self.subfolder, self.config, self.content_sha256, required=True)
 
 
 @dataclass(frozen=True)
@@ -172,11 +193,13 @@ class TrainableModelSpec:
     """Subfolder of `path` holding the denoiser."""
     config: Mapping[str, Any] | None = None
     """Independent layout: a model config to build this role from (random init); null copies the teacher."""
+    content_sha256: str | None = None
+    """With path: the starting model's identity by content, as model.teacher.content_sha256."""
     lora: LoraSpec = field(default_factory=LoraSpec)
     """LoRA settings; required (rank >= 1) in the shared-base layout."""
 
     def validate(self, key: str) -> None:
-        _check_source(key, self.path, self.subfolder, self.config, required=False)
+        _check_source(key, self.path, self.subfolder, self.config, self.content_sha256, required=False)
         self.lora.validate(f"{key}.lora")
 
 
@@ -637,10 +660,13 @@ class ExportSpec:
 
     role: Literal["student", "student_ema"] = "student_ema"
     """The role to export; the EMA is what published runs ship."""
-    formats: tuple[Literal["peft", "diffusers", "pipeline", "vllm_omni"], ...] = ("peft", "diffusers")
+    formats: tuple[
+        Literal["peft", "diffusers", "pipeline", "vllm_omni", "lora_pipeline", "lora_vllm_omni"], ...
+    ] = ("peft", "diffusers")
     """peft: adapter directory; diffusers: merged model via save_pretrained; pipeline: the teacher's pipeline
     with the student, served by diffusers at the trained schedule; vllm_omni: the same under vllm-omni's DMD2
-    class (Flux, Qwen-Image, Wan); docs/serving.md."""
+    class (Flux, Qwen-Image, Wan); lora_pipeline, lora_vllm_omni: the teacher's pipeline (linked) with the
+    trained schedule, to serve the peft adapter on; docs/serving.md."""
     output_dir: str | None = None
     """null means <trainer.output_dir>/export."""
     pipeline_source: str | None = None
@@ -654,14 +680,19 @@ class ExportSpec:
 
     def validate(self, key: str) -> None:
         if self.dtype not in ("bfloat16", "float32"):
-            raise error(f"{key}.dtype", self.dtype, "must be bfloat16 or float32", f"set {key}.dtype=bfloat16")
+            raise error(
+                f"{key}.dtype", self.dtype, "must be bfloat16 or float32", f"set {key}.dtype=bfloat16"
+            )
         if not self.formats:
             raise error(
-                f"{key}.formats", [], "must list at least one of: peft, diffusers, pipeline, vllm_omni"
+                f"{key}.formats",
+                [],
+                "must list at least one of: peft, diffusers, pipeline, vllm_omni, "
+                "lora_pipeline, lora_vllm_omni",
             )
         if len(set(self.formats)) != len(self.formats):
             raise error(f"{key}.formats", list(self.formats), "lists a format twice", "list each format once")
-        for needs in ("pipeline", "vllm_omni"):
+        for needs in ("pipeline", "vllm_omni", "lora_pipeline", "lora_vllm_omni"):
             if needs in self.formats and not self.pipeline_source:
                 raise error(
                     f"{key}.pipeline_source",
@@ -876,8 +907,68 @@ class DistillationPlan:
         return to_plain(self)
 
     def semantic_dict(self) -> dict[str, Any]:
-        """The nested dict of the keys that define training (RESUME_MUTABLE_KEYS removed)."""
-        return without_keys(self.to_dict(), RESUME_MUTABLE_KEYS)
+        """The nested dict of the keys that define training: RESUME_MUTABLE_KEYS removed (the models' paths
+        among them), each model's ``content_sha256`` as `model_content` gives it (reading the models named by
+        path unless the plan pins their content: PlanError when one cannot be read)."""
+        semantic = without_keys(self.to_dict(), RESUME_MUTABLE_KEYS)
+        for role in MODEL_SOURCES:
+            semantic["model"][role]["content_sha256"] = self.model_content(role)
+        return semantic
+
+    def model_content(self, role: str) -> str | None:
+        """The identity by content of ``model.<role>`` that the fingerprint holds: its pinned
+        ``content_sha256``, else `model_identity`'s; None for a student or fake score copied from the teacher.
+        """
+        pinned = getattr(self.model, role).content_sha256
+        if pinned is not None:
+            return pinned
+        identity = self.model_identity(role)
+        return None if identity is None else identity["content_sha256"]
+
+    def model_identity(self, role: str) -> dict[str, Any] | None:
+        """Where ``model.<role>`` comes from and what it is, read from disk (a pin is not consulted).
+
+        ``{"path", "subfolder", "content_sha256", "weights_sha256", "config_sha256"}``: for a model named by
+        path, the digests of `verl_dmd.digests.model_digests` (the first read in a process hashes its weights
+        unless the digest cache knows them by file stats); for one built from ``model.<role>.config``,
+        ``"config:"`` + the SHA-256 of the config's canonical JSON and no weights. None for a student or fake
+        score copied from the teacher. A model that cannot be read is a one-line PlanError naming its path.
+        """
+        from pathlib import Path
+
+        from verl_dmd.assets import resolve_model_path
+        from verl_dmd.digests import model_digests, model_sha256
+
+        spec = getattr(self.model, role)
+        if spec.path is None and spec.config is None:
+            return None
+        if spec.path is None:
+            content = model_sha256(None, None, spec.config)
+            return {"path": None, "subfolder": None, "content_sha256": content, "weights_sha256": None,
+                    "config_sha256": content.removeprefix("config:")}  # fmt: skip
+        try:
+            folder = Path(resolve_model_path(spec.path)).expanduser() / (spec.subfolder or "")
+            digests = model_digests(folder)
+        except (ValueError, OSError) as err:
+            raise error(f"model.{role}.path", spec.path,
+                        f"cannot identify the model by content ({err}); the plan's fingerprint holds it",
+                        "point it at the local diffusers model directory (with its subfolder), or pin "
+                        f"model.{role}.content_sha256 where the model is not at hand") from None  # fmt: skip
+        return {"path": spec.path, "subfolder": spec.subfolder, **digests}
+
+    def teacher_identity(self) -> dict[str, Any]:
+        """`model_identity` of the teacher (what an export records as where its teacher came from)."""
+        return self.model_identity("teacher")
+
+    def with_model_contents(self) -> DistillationPlan:
+        """This plan with ``content_sha256`` set for every model named by path (`model_content`): the plan the
+        driver hands to the workers, whose fingerprint then reads no model."""
+        roles = {}
+        for role in MODEL_SOURCES:
+            spec = getattr(self.model, role)
+            if spec.path is not None and spec.content_sha256 is None:
+                roles[role] = dataclasses.replace(spec, content_sha256=self.model_content(role))
+        return dataclasses.replace(self, model=dataclasses.replace(self.model, **roles)) if roles else self
 
     def check_local_paths(self) -> None:
         """Fail (one line naming the key) if a local input the run reads at start-up is missing.
@@ -932,11 +1023,21 @@ class DistillationPlan:
         checkpoint manifest); a key present on one side only shows as `<absent>`, except a key of
         `ADDED_KEYS` that the other side lacks while this plan holds the value listed there (the
         behaviour before the key existed). Keys that were semantic when `other_semantic` was written and are
-        resume-mutable now (`RESUME_MUTABLE_KEYS`) are no difference.
+        resume-mutable now (`RESUME_MUTABLE_KEYS`) are no difference, except a model's path and subfolder
+        where `other_semantic` has no ``content_sha256`` for it (written before models were identified by
+        content, `LOCATION_KEYS`): they are compared as written, and the content is not.
         """
         mine = flatten(self.semantic_dict())
+        written = flatten(dict(other_semantic))
         theirs = flatten(without_keys(dict(other_semantic), RESUME_MUTABLE_KEYS))
         absent = "<absent>"
+        for role in MODEL_SOURCES:
+            if f"model.{role}.content_sha256" not in written:
+                del mine[f"model.{role}.content_sha256"]
+                spec = getattr(self.model, role)
+                for name in ("path", "subfolder"):
+                    key = f"model.{role}.{name}"
+                    mine[key], theirs[key] = getattr(spec, name), written.get(key, absent)
         return [
             (key, theirs.get(key, absent), mine.get(key, absent))
             for key in sorted(set(mine) | set(theirs))
@@ -958,8 +1059,11 @@ def plan_keys() -> list[str]:
     return sorted(flatten(to_plain(_defaults_without_validation())))
 
 
-def _check_source(key: str, path: str | None, subfolder: str | None, config: Any, *, required: bool) -> None:
-    """A model source: a path or a config, not both (the teacher needs one); a subfolder only with a path."""
+def _check_source(
+    key: str, path: str | None, subfolder: str | None, config: Any, content: str | None, *, required: bool
+) -> None:
+    """A model source: a path or a config, not both (the teacher needs one); a subfolder and a content digest
+    only with a path."""
     if required and not path and config is None:
         raise error(
             f"{key}.path",
@@ -977,6 +1081,14 @@ def _check_source(key: str, path: str | None, subfolder: str | None, config: Any
         raise error(
             f"{key}.subfolder", subfolder, f"only applies with {key}.path", f"set {key}.path or remove it"
         )
+    if content is not None and path is None:
+        raise error(f"{key}.content_sha256", content,
+                    f"only applies with {key}.path (a model built from {key}.config is identified by it)",
+                    f"set {key}.path or remove it")  # fmt: skip
+    if content is not None and not re.fullmatch("[0-9a-f]{64}", content):
+        raise error(f"{key}.content_sha256", content, "must be a SHA-256 digest (64 lowercase hex digits)",
+                    f"copy it from a checkpoint's manifest.json (plan.{key}.content_sha256), or set null to "
+                    f"read it from {key}.path")  # fmt: skip
 
 
 def _interpolation_error(config: Any, err: Exception) -> PlanError:

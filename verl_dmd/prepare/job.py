@@ -160,6 +160,8 @@ def resolve_inputs(plan) -> Inputs:
     """Every input of a prepare run, checked without loading a weight: the pipeline, its components, the
     adapter's support for it, the sizes, the prompt sources and the image folder. PrepareError otherwise."""
     from verl_dmd.adapters import get_adapter
+    from verl_dmd.plan import PlanError
+    from verl_dmd.preflight import check_one_transformer
 
     prep = plan.prepare
     if not plan.data.path:
@@ -174,6 +176,10 @@ def resolve_inputs(plan) -> Inputs:
                            "pipeline support in verl-dmd-prepare (its adapter lists no pipeline_classes); fix: "
                            "use sd3, flux, qwen_image or wan, or add encode_prompts to the adapter")  # fmt: skip
     root = pipeline_dir_of(plan)
+    try:
+        check_one_transformer(plan)  # the run on this data set would be refused: say so before encoding
+    except PlanError as err:
+        raise PrepareError(str(err)) from None
     index = _json_file(root / "model_index.json", "pipeline's model_index.json")
     cls = index.get("_class_name")
     if cls not in adapter.pipeline_classes:

@@ -149,7 +149,8 @@ class DiffusionDistillationWorkerGroup(WorkerGroup):
             max_colocate_count=1,  # the default 10 asks for 10 CPUs per bundle: a hang on small machines
         )
         cls = ray.remote(worker_cls or DiffusionDistillationWorker)
-        config = plan.to_dict()
+        # The models' content digests go with the plan: no worker hashes a model to know the fingerprint.
+        config = plan.with_model_contents().to_dict()
         self.group = RayWorkerGroup(
             resource_pool=pool,
             ray_cls_with_init=RayClassWithInitArgs(
