@@ -93,6 +93,7 @@ def vllm_omni_call(family: str, directory: Path, cond: Mapping[str, torch.Tensor
 
     served = serving.read_served(json.loads((directory / "model_index.json").read_text()))
     assert served["dmd2"] and served["fell_back"] is None, served
+    assert served["class"] == serving.VLLM_OMNI_CLASSES[DIFFUSERS_CLASS[family]], served["class"]
     pipe = getattr(diffusers, DIFFUSERS_CLASS[family]).from_pretrained(str(directory), local_files_only=True)
     if lora is not None:
         pipe.load_lora_weights(str(lora))

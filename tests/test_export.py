@@ -30,8 +30,12 @@ NO_TEXT_OR_VAE = {name: None for name in ("vae", "text_encoder", "tokenizer", "t
 
 
 def save_teacher(family: str, directory) -> str:
+    return save_teacher_seeded(family, directory, seed=3)
+
+
+def save_teacher_seeded(family: str, directory, seed: int) -> str:
     adapter = get_adapter(family)()
-    torch.manual_seed(3)
+    torch.manual_seed(seed)
     adapter.model_class.from_config(adapter.tiny_config).save_pretrained(str(directory))
     return str(directory)
 
@@ -160,6 +164,21 @@ def test_lora_export_round_trips_through_peft_and_diffusers(tmp_path, layout, wo
             role=role, formats=("diffusers",), output_dir=tmp_path / "export_bf16" / role, log=lambda _: None,
         )  # fmt: skip
         assert_rounded_bitwise(weights(bf16 / DIFFUSERS_DIR), weights(out / DIFFUSERS_DIR))
+
+    # The lora_* directories serve the adapter on export.pipeline_source's transformer: one that is not the
+    # teacher's (another seed) is refused before anything is read or written.
+    other = fake_pipeline(
+        tmp_path / "other_src", save_teacher_seeded("sd3", tmp_path / "other_teacher", seed=4)
+    )
+    refused = export_plan("sd3", layout, teacher_dir, **{**overrides, "export.pipeline_source": other,
+                                                         "export.formats": ["peft", "lora_pipeline"]})  # fmt: skip
+    with pytest.raises(ExportError, match=r"its transformer is not the teacher the adapter was trained on"):
+        export_checkpoint(refused, trained["path"], output_dir=tmp_path / "refused", log=lambda _: None)
+    assert not (tmp_path / "refused").exists()
+    lora_served = export_checkpoint(export_plan("sd3", layout, teacher_dir, **{**overrides, "export.formats": [
+        "peft", "lora_pipeline"]}), trained["path"], output_dir=tmp_path / "lora_served", log=lambda _: None)  # fmt: skip
+    weights_file = sorted(Path(teacher_dir).glob("*.safetensors"))[0]
+    assert os.path.samefile(weights_file, lora_served / "lora_pipeline" / "transformer" / weights_file.name)
 
     # The exported adapter starts a new run: model.student.lora.init_path reads PEFT's key layout.
     from verl_dmd.runtime.lora import add_adapter, load_peft_adapter_dir, lora_config
@@ -349,16 +368,19 @@ def test_a_failing_write_leaves_no_partial_export(full_run, tmp_path, monkeypatc
 
 
 def test_an_existing_export_is_reused_only_for_the_same_checkpoint_and_formats(tmp_path):
-    """The end-of-run export keeps a directory holding this checkpoint's export in the formats asked for,
-    and replaces one of another checkpoint or with other formats (naming which)."""
+    """The end-of-run export keeps a directory holding this checkpoint's export in the formats and dtype asked
+    for, and replaces one of another checkpoint, with other formats or in another dtype (naming which)."""
     from types import SimpleNamespace
 
     from verl_dmd.checkpoint.export import _existing_export
 
     found = SimpleNamespace(manifest={"manifest_sha256": "a" * 64})
     cases = [
-        ({"manifest_sha256": "a" * 64, "formats": ["diffusers"]}, ("diffusers",), True, "already"),
+        ({"manifest_sha256": "a" * 64, "formats": ["diffusers"], "merged_dtype": "bfloat16"}, ("diffusers",), True,
+         "already"),
         ({"manifest_sha256": "a" * 64, "formats": ["diffusers"]}, ("peft", "diffusers"), False, "other formats"),
+        # the same checkpoint and formats in float32 (written before export.dtype existed: no merged_dtype)
+        ({"manifest_sha256": "a" * 64, "formats": ["diffusers"]}, ("diffusers",), False, "another dtype"),
         ({"manifest_sha256": "b" * 64, "formats": ["diffusers"], "checkpoint": "x"}, ("diffusers",), False, "another run"),
     ]  # fmt: skip
     for info, formats, kept, said in cases:
@@ -371,3 +393,28 @@ def test_an_existing_export_is_reused_only_for_the_same_checkpoint_and_formats(t
     target.mkdir()
     with pytest.raises(ExportError, match="already exists"):
         _existing_export(target, found, ("diffusers",), "fail", lines.append)
+
+
+def test_the_bf16_export_keeps_the_modules_the_model_class_keeps_in_float32():
+    """Wan keeps its time embedder, scale-shift table and norms in float32 (diffusers upcasts them on load):
+    the export writes them as they are, every other weight rounded once."""
+    from diffusers import WanTransformer3DModel
+
+    from verl_dmd.checkpoint.export import _to_export_dtype
+
+    adapter = get_adapter("wan")()
+    torch.manual_seed(0)
+    model = WanTransformer3DModel.from_config(adapter.tiny_config)
+    full = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    keep = WanTransformer3DModel._keep_in_fp32_modules
+    assert keep  # the class declares some
+    _to_export_dtype(model, torch.bfloat16)
+    kept = [name for name in full if any(part in name.split(".") for part in keep)]
+    assert kept and len(kept) < len(full)
+    for name, tensor in model.state_dict().items():
+        if name in kept:
+            assert tensor.dtype == torch.float32 and torch.equal(tensor, full[name]), name
+        else:
+            assert torch.equal(tensor.view(torch.int16), full[name].to(torch.bfloat16).view(torch.int16)), (
+                name
+            )

@@ -194,6 +194,9 @@ def test_sd3_has_no_vllm_omni_class_and_is_refused_before_training(tmp_path):
         ("FluxPipeline", 64, ("to_out.0", "proj_mlp"), None),
         ("QwenImagePipeline", 1024, ("to_q",), "rank 1024 is above vllm-omni's largest, 512"),
         ("QwenImagePipeline", 8, ("transformer_blocks.0.attn.to_out.0",), "to_out.0 (named to_out)"),
+        # PEFT puts an adapter on every module whose name ends with the target
+        ("WanPipeline", 8, ("net.0.proj",), "ffn.net.0.proj (named ffn.net_0.proj)"),
+        ("FluxPipeline", 8, ("attn.to_k",), "to_k (fused into to_qkv)"),
     ],
 )
 def test_a_lora_vllm_omni_would_not_place_is_named(pipeline_class, rank, targets, problem):
@@ -205,20 +208,61 @@ def test_a_lora_vllm_omni_would_not_place_is_named(pipeline_class, rank, targets
 
 def test_a_lora_vllm_omni_export_vllm_omni_would_misplace_is_refused_before_training(tmp_path):
     from verl_dmd.main import compose_plan
-    from verl_dmd.preflight import check_export_targets
+    from verl_dmd.preflight import check_export_lora, check_export_targets
 
     source = tmp_path / "qwen"
     source.mkdir()
     (source / "model_index.json").write_text(json.dumps({"_class_name": "QwenImagePipeline"}))
     overrides = [f"model.teacher.path={source}", f"data.path={tmp_path}", "model.student.lora.rank=4", "model.fake_score.lora.rank=4",
                  "export.formats=[peft,lora_vllm_omni]", f"export.pipeline_source={source}"]  # fmt: skip
+    check_export_targets(
+        compose_plan("qwen_image_lora_dmd2", overrides)
+    )  # the class serves: the LoRA is next
     with pytest.raises(PlanError) as err:
-        check_export_targets(compose_plan("qwen_image_lora_dmd2", overrides))
+        check_export_lora(compose_plan("qwen_image_lora_dmd2", overrides))
     message = str(err.value)
     assert "\n" not in message and message.startswith("config key 'export.formats' lists lora_vllm_omni: ")
     assert "to_out.0 (named to_out)" in message and "fix: serve the merged student" in message
-    check_export_targets(compose_plan("qwen_image_lora_dmd2", [*overrides,
+    check_export_lora(compose_plan("qwen_image_lora_dmd2", [*overrides,
                                       "model.student.lora.target_modules=[to_q,to_k,to_v]"]))  # fmt: skip
+
+
+def test_lora_serving_formats_need_a_lora_student_and_the_peft_adapter_before_training():
+    from verl_dmd.main import compose_plan
+
+    with pytest.raises(
+        PlanError, match=r"^config key 'export.formats' = \['peft', 'lora_pipeline'\]: the peft "
+    ):
+        compose_plan("digits_dmd2", ["export.formats=[peft,lora_pipeline]", "export.pipeline_source=/x"])
+    with pytest.raises(
+        PlanError, match=r"lora_pipeline serves the adapter of the peft format beside it; fix: "
+    ):
+        compose_plan("qwen_image_lora_dmd2", ["model.teacher.path=/t", "data.path=/d", "export.formats=[lora_pipeline]",
+                                              "export.pipeline_source=/x"])  # fmt: skip
+
+
+def test_a_pipeline_source_with_a_second_expert_is_refused(tmp_path):
+    """A Wan 2.2 A14B pipeline as export.pipeline_source (the teacher named as a bare transformer directory):
+    the export would ship the teacher's low-noise expert beside the student."""
+    from verl_dmd.preflight import check_export_targets
+
+    source = tmp_path / "wan22"
+    source.mkdir()
+    index = {"_class_name": "WanPipeline", "transformer": ["diffusers", "WanTransformer3DModel"],
+             "transformer_2": ["diffusers", "WanTransformer3DModel"]}  # fmt: skip
+    (source / "model_index.json").write_text(json.dumps(index))
+
+    class Plan:
+        class export:
+            formats = ("peft", "pipeline")
+            pipeline_source = str(source)
+
+    with pytest.raises(
+        PlanError, match=r"^config key 'export.pipeline_source' = .*a second transformer, transformer_2"
+    ):
+        check_export_targets(Plan)
+    (source / "model_index.json").write_text(json.dumps({**index, "transformer_2": [None, None]}))
+    check_export_targets(Plan)
 
 
 def test_the_guidance_embedding_served_is_the_data_sets(tmp_path):

@@ -50,6 +50,7 @@ def preflight(plan: DistillationPlan, *, backend: str) -> None:
     check_names_early(plan)  # no torch: a misspelt name is refused in a second
     from_headers = check_models_from_headers(plan)  # no torch, no diffusers: before the imports below
     check_registered(plan)
+    check_export_lora(plan)
     check_model_contents(plan)  # a first read hashes the weights (seconds per GB), then cached by file stats
     check_resume(plan)
     check_data(plan)
@@ -74,6 +75,7 @@ def preflight_export(plan: DistillationPlan) -> None:
         found = CheckpointStore(checkpoint_root(plan)).candidates("auto")
         if not found.checkpoints and not found.damaged:  # damaged ones: check_resume names them
             raise no_checkpoint(checkpoint_root(plan))
+    check_export_lora(plan)
     check_model_contents(plan)
     check_resume(plan)
 
@@ -121,28 +123,48 @@ def check_export_targets(plan: DistillationPlan) -> None:
     from verl_dmd.checkpoint.serving import VLLM_OMNI_CLASSES
 
     source = plan.export.pipeline_source
-    vllm_omni = {"vllm_omni", "lora_vllm_omni"} & set(plan.export.formats)
-    if not vllm_omni or not source:
+    served = {"pipeline", "vllm_omni", "lora_pipeline", "lora_vllm_omni"} & set(plan.export.formats)
+    vllm_omni = {"vllm_omni", "lora_vllm_omni"} & served
+    if not served or not source:
         return
     try:
-        class_name = json.loads((Path(source) / "model_index.json").read_text()).get("_class_name")
+        index = json.loads((Path(source) / "model_index.json").read_text())
+        class_name = index.get("_class_name")
     except (OSError, ValueError, AttributeError):
         raise error("export.pipeline_source", source, "has no readable model_index.json",
                     "point it at a local diffusers pipeline directory (the teacher's)") from None  # fmt: skip
+    named = second_expert(index)
+    if named:  # the export would ship the teacher's second expert, undistilled, beside the student
+        raise error("export.pipeline_source", source,
+                    f"its model_index.json lists a second transformer, {SECOND_EXPERT} ({named[-1]}): a Wan 2.2 "
+                    "pipeline of two experts; verl_dmd distils one transformer, and serving a student beside the "
+                    "teacher's other expert is not supported", "export peft or diffusers only")  # fmt: skip
+    if not vllm_omni:
+        return
     if class_name not in VLLM_OMNI_CLASSES:
         raise error("export.formats", list(plan.export.formats),
                     f"vllm-omni has no DMD2 pipeline for a {class_name} (it serves students of "
                     f"{', '.join(sorted(VLLM_OMNI_CLASSES))})",
                     f"drop {', '.join(sorted(vllm_omni))}; the pipeline format serves with diffusers "
                     "(docs/serving.md)")  # fmt: skip
-    if "lora_vllm_omni" in vllm_omni:
-        from verl_dmd.adapters import get_adapter
-        from verl_dmd.checkpoint.export import ExportError, check_vllm_omni_lora
 
-        try:
-            check_vllm_omni_lora(plan, class_name, get_adapter(plan.model.adapter)())
-        except ExportError as err:
-            raise PlanError(str(err)) from None
+
+def check_export_lora(plan: DistillationPlan) -> None:
+    """A lora_vllm_omni export's adapter (rank, targets: the model adapter's defaults unless set) is one
+    vllm-omni's LoRA loader places (`serving.vllm_omni_lora_problem`); after check_registered in a training run
+    (it imports the model adapter; an unknown one is a one-line error here too)."""
+    if "lora_vllm_omni" not in plan.export.formats or not plan.export.pipeline_source:
+        return
+    from verl_dmd.adapters import get_adapter
+    from verl_dmd.checkpoint import serving
+    from verl_dmd.registry import UnknownNameError
+
+    index = json.loads((Path(plan.export.pipeline_source) / "model_index.json").read_text())
+    try:
+        targets = get_adapter(plan.model.adapter).default_lora_targets
+        serving.check_vllm_omni_lora(plan, index.get("_class_name"), targets)
+    except (serving.ServingError, UnknownNameError) as err:
+        raise PlanError(str(err)) from None
 
 
 def check_directory(key: str, value: str | None, path: Path) -> None:
@@ -428,6 +450,15 @@ def check_model_dirs(plan: DistillationPlan) -> None:
             read_model_config(f"model.{role}", spec)
 
 
+def second_expert(index) -> list:
+    """The named parts of a pipeline's ``transformer_2`` entry (empty: it has one transformer; diffusers
+    writes ``[null, null]`` for Wan pipelines without a second expert)."""
+    entry = index.get(SECOND_EXPERT) if isinstance(index, dict) else None
+    if entry is None:
+        return []
+    return [part for part in entry if part is not None] if isinstance(entry, list) else [entry]
+
+
 def check_one_transformer(plan: DistillationPlan) -> None:
     """The teacher's pipeline (`verl_dmd.data.prepared.teacher_pipeline`) has one transformer. Wan 2.2's
     A14B pipelines list a second, ``transformer_2``: two experts, one denoising the high noise levels and one
@@ -442,9 +473,8 @@ def check_one_transformer(plan: DistillationPlan) -> None:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise error("model.teacher.path", plan.model.teacher.path, f"{root / 'model_index.json'} is not "
                     f"readable JSON ({err})", "restore the pipeline's model_index.json") from None  # fmt: skip
-    entry = components.get(SECOND_EXPERT) if isinstance(components, dict) else None
-    named = [part for part in entry if part is not None] if isinstance(entry, list) else [entry]
-    if entry is not None and named:
+    named = second_expert(components)
+    if named:
         raise error("model.teacher.path", plan.model.teacher.path,
                     f"its model_index.json lists a second transformer, {SECOND_EXPERT} ({named[-1]}): a Wan 2.2 "
                     "teacher of two experts (high and low noise levels); verl_dmd distils one transformer, and "

@@ -369,7 +369,12 @@ def _check_request(plan, role: Role, formats: tuple[str, ...]) -> None:
 
 
 def _existing_export(
-    target: Path, found: Checkpoint, formats, if_exists: str, log: Callable[[str], None]
+    target: Path,
+    found: Checkpoint,
+    formats,
+    if_exists: str,
+    log: Callable[[str], None],
+    dtype: str = "bfloat16",
 ) -> bool:
     """True when `target` already holds this checkpoint's export in these formats (reuse); clears or refuses
     it otherwise."""
@@ -385,11 +390,15 @@ def _existing_export(
     except (OSError, ValueError):
         info = {}
     same_checkpoint = info.get("manifest_sha256") == found.manifest.get("manifest_sha256")
-    if same_checkpoint and info.get("formats") == list(formats):
+    merged = bool(MERGED_FORMATS & set(formats))  # an export.json from before export.dtype: float32
+    same_dtype = info.get("merged_dtype", "float32" if merged else None) == (dtype if merged else None)
+    if same_checkpoint and info.get("formats") == list(formats) and same_dtype:
         log(f"export: {target} holds this checkpoint's export already")
         return True
     what = (
-        "other formats" if same_checkpoint else f"another run's export (checkpoint {info.get('checkpoint')})"
+        "other formats or another dtype"
+        if same_checkpoint
+        else f"another run's export (checkpoint {info.get('checkpoint')})"
     )
     log(f"export: {target} holds {what} of this step; replacing it")
     shutil.rmtree(target)
@@ -424,7 +433,7 @@ def export_checkpoint(
         if output_dir is not None
         else export_root(plan) / f"global_step_{found.global_step}" / role.value
     )
-    if _existing_export(target, found, formats, if_exists, log):
+    if _existing_export(target, found, formats, if_exists, log, plan.export.dtype):
         return target
     found = CheckpointStore.verify(checkpoint, hashes=True)  # every file checked before anything is read
     check_plan(found, plan)
@@ -432,10 +441,15 @@ def export_checkpoint(
     component = getattr(adapter, "pipeline_component", "transformer")
     serves = bool({"pipeline", "vllm_omni"} & set(formats) or LORA_SERVING_FORMATS & set(formats))
     pipeline = _pipeline_source(plan, component) if serves else None
-    if "vllm_omni" in formats or "lora_vllm_omni" in formats:
-        serving.vllm_omni_class(pipeline[1].get("_class_name"))  # refused before anything is read
+    for served in ("vllm_omni", "lora_vllm_omni"):
+        if served in formats:  # refused before anything is read
+            serving.vllm_omni_class(pipeline[1].get("_class_name"), served)
     if "lora_vllm_omni" in formats:
-        check_vllm_omni_lora(plan, pipeline[1].get("_class_name"), adapter)
+        serving.check_vllm_omni_lora(plan, pipeline[1].get("_class_name"), adapter.default_lora_targets)
+    if serves:
+        _check_served_schedule(plan, adapter)
+    if LORA_SERVING_FORMATS & set(formats):
+        _check_lora_base(plan, layout_for(plan, adapter), pipeline[0], component)
     log(f"export: reading role {role.value} from {found.path}")
     layout = layout_for(plan, adapter)
     loaded = load_role(layout, found, role)
@@ -494,7 +508,7 @@ def _write_formats(staging: Path, loaded: LoadedRole, formats, role: Role, layou
         )
     if MERGED_FORMATS & set(formats):
         _merge(model, loaded.base_keys, adapter_name, formats, role)
-        model.to(MERGED_DTYPES[plan.export.dtype])  # merged in float32, rounded once
+        _to_export_dtype(model, MERGED_DTYPES[plan.export.dtype])
         if "diffusers" in formats:
             model.save_pretrained(str(staging / DIFFUSERS_DIR), safe_serialization=True)
             log("export: wrote the merged diffusers model")
@@ -533,15 +547,49 @@ def _write_lora_serving(pipeline, component: str, config, shift: float, layout: 
         shutil.rmtree(served)
 
 
-def check_vllm_omni_lora(plan, pipeline_class: str | None, adapter) -> None:
-    """The student's LoRA (rank, targets) is one vllm-omni's loader serves as trained; ExportError otherwise."""
-    spec = plan.model.student.lora
-    targets = tuple(spec.target_modules or adapter.default_lora_targets)
-    problem = serving.vllm_omni_lora_problem(str(pipeline_class), spec.rank, targets)
-    if problem:
+def _to_export_dtype(model: nn.Module, dtype: torch.dtype) -> None:
+    """Round the merged weights (merged in float32) once to `dtype`, except those the model class keeps in
+    float32 (diffusers' ``_keep_in_fp32_modules``, e.g. Wan's time embedder and norms: its loader upcasts
+    them again, so their float32 values are what a bf16 load computes with)."""
+    keep = tuple(getattr(model, "_keep_in_fp32_modules", None) or ())
+    with torch.no_grad():
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if tensor.is_floating_point() and not any(part in name.split(".") for part in keep):
+                tensor.data = tensor.data.to(dtype)
+
+
+def _check_served_schedule(plan, adapter) -> None:
+    """The diffusers calls of docs/serving.md pass levels from 1 (linspace(1, 1/N, N)): a schedule that
+    starts lower (an adapter with sigma_max < 1) is only served as trained with explicit levels."""
+    if adapter.sigma_max != 1.0 and not plan.algorithm.student_sigmas:
         raise ExportError(
-            f"config key 'export.formats' lists lora_vllm_omni: {problem}; fix: serve the merged student "
-            "(vllm_omni), or train on targets it places (docs/serving.md, LoRA)"
+            f"config key 'export.formats' = {list(plan.export.formats)}: the {plan.model.adapter} adapter's "
+            f"schedule starts at sigma {adapter.sigma_max}, the served pipelines' at 1; fix: train on explicit "
+            "levels (algorithm.student_sigmas) and pass them as sigmas=, or export peft or diffusers only"
+        )
+
+
+def _check_lora_base(plan, layout: StorageLayout, source: Path, component: str) -> None:
+    """A lora_* directory serves the adapter on `source`'s `component`: that must be the base the adapter was
+    trained on (the teacher's weights and config, by content)."""
+    from verl_dmd.digests import model_digests
+
+    _, note = layout.student_base()
+    if note:
+        raise ExportError(
+            f"config key 'export.formats' = {list(plan.export.formats)}: a lora_* directory serves the adapter "
+            f"on the teacher's {component}, but {note}; fix: export the merged pipeline instead"
+        )
+    teacher = plan.teacher_identity()
+    try:
+        served = model_digests(source / component)["content_sha256"]
+    except ValueError as err:
+        raise ExportError(f"config key 'export.pipeline_source' = {str(source)!r}: {err}") from None
+    if served != teacher["content_sha256"]:
+        raise ExportError(
+            f"config key 'export.pipeline_source' = {str(source)!r}: its {component} is not the teacher the "
+            f"adapter was trained on (content {served[:12]}..., the teacher's {str(teacher['content_sha256'])[:12]}...); "
+            "fix: point export.pipeline_source at the teacher's pipeline directory"
         )
 
 

@@ -85,14 +85,14 @@ def index_with_block(
     return out
 
 
-def vllm_omni_class(pipeline_class: str) -> str:
+def vllm_omni_class(pipeline_class: str, target: str = "vllm_omni") -> str:
     """The vllm-omni DMD2 class serving a student of `pipeline_class`; ServingError (one line) if none."""
     try:
         return VLLM_OMNI_CLASSES[pipeline_class]
     except KeyError:
         raise ServingError(
-            f"config key 'export.formats' lists vllm_omni: vllm-omni has no DMD2 pipeline for a "
-            f"{pipeline_class} (it has {', '.join(sorted(VLLM_OMNI_CLASSES.values()))}); fix: drop vllm_omni and "
+            f"config key 'export.formats' lists {target}: vllm-omni has no DMD2 pipeline for a "
+            f"{pipeline_class} (it has {', '.join(sorted(VLLM_OMNI_CLASSES.values()))}); fix: drop {target} and "
             "serve the pipeline format with diffusers (docs/serving.md)"
         ) from None
 
@@ -122,6 +122,25 @@ from its code (a fork carrying the upstream merges, 2026-08-18), not run: vllm-o
 here."""
 
 
+def _matches(target: str, name: str) -> bool:
+    """Whether a PEFT target (a module name or its tail) puts an adapter on modules named `name` (a name's
+    tail), or on modules `name` ends with: either way vllm-omni's loader would meet a weight it misses."""
+    return target == name or target.endswith("." + name) or name.endswith("." + target)
+
+
+def check_vllm_omni_lora(plan, pipeline_class: str | None, default_targets) -> None:
+    """The student's LoRA (rank, targets) is one vllm-omni's loader serves as trained; ServingError (one line)
+    otherwise."""
+    spec = plan.model.student.lora
+    targets = tuple(spec.target_modules or default_targets)
+    problem = vllm_omni_lora_problem(str(pipeline_class), spec.rank, targets)
+    if problem:
+        raise ServingError(
+            f"config key 'export.formats' lists lora_vllm_omni: {problem}; fix: serve the merged student "
+            "(vllm_omni), or train on targets it places (docs/serving.md, LoRA)"
+        )
+
+
 def vllm_omni_lora_problem(pipeline_class: str, rank: int, targets, use_dora: bool = False) -> str | None:
     """Why vllm-omni would not serve a LoRA of `rank` on `targets` (diffusers module names) as trained on a
     `pipeline_class` student (None: it would)."""
@@ -130,7 +149,7 @@ def vllm_omni_lora_problem(pipeline_class: str, rank: int, targets, use_dora: bo
     if use_dora:
         return "vllm-omni does not load DoRA adapters"
     unloadable = VLLM_OMNI_LORA_UNLOADABLE.get(pipeline_class, {})
-    missed = [name for name in unloadable if any(t == name or t.endswith("." + name) for t in targets)]
+    missed = [name for name in unloadable if any(_matches(t, name) for t in targets)]
     if missed:
         why = ", ".join(f"{name} ({unloadable[name]})" for name in missed)
         return f"vllm-omni's {pipeline_class} LoRA loader cannot place targets {why}"

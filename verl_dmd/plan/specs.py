@@ -859,12 +859,21 @@ class DistillationPlan:
                 "the digits quality table needs at least one sample per class (10)",
                 "set validation.num_samples to 10 or more (64 is the default)",
             )
-        if "peft" in self.export.formats and not self.model.student.lora.enabled:
+        for lora_format in ("peft", "lora_pipeline", "lora_vllm_omni"):
+            if lora_format in self.export.formats and not self.model.student.lora.enabled:
+                raise error(
+                    "export.formats",
+                    list(self.export.formats),
+                    f"the {lora_format} format needs a LoRA student but model.student.lora.rank is 0",
+                    "export the diffusers format only, or train the student with LoRA",
+                )
+        served_lora = [f for f in ("lora_pipeline", "lora_vllm_omni") if f in self.export.formats]
+        if served_lora and "peft" not in self.export.formats:
             raise error(
                 "export.formats",
                 list(self.export.formats),
-                "the peft format needs a LoRA student but model.student.lora.rank is 0",
-                "export the diffusers format only, or train the student with LoRA",
+                f"{served_lora[0]} serves the adapter of the peft format beside it",
+                "list peft too",
             )
 
     # -- construction
