@@ -465,6 +465,7 @@ ALTERNATIVES = {
     "validation.sampling_steps": [1, 2, 4],
     "validation.roles": ["teacher"],
     "validation.teacher_steps": 50,
+    "validation.replica": False,
     "prepare.prompts": "/data/prompts.txt",
     "prepare.prompt_field": "caption",
     "prepare.validation_prompts": "/data/val.txt",

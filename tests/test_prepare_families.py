@@ -50,7 +50,8 @@ EXTRAS = {
                         "export.pipeline_source": "{pipeline}", "model.student.lora.target_modules": "[to_q,to_k,to_v]"}),
     "wan": ({"prepare.real_images": "{images}", "prepare.teacher_pairs": "true"},
             {"algorithm.regression_weight": 0.25, "algorithm.gan_discriminator_weight": 0.01,
-             "export.formats": "[peft,diffusers,pipeline,vllm_omni]", "export.pipeline_source": "{pipeline}"}),
+             "export.formats": "[peft,diffusers,pipeline,vllm_omni]", "export.pipeline_source": "{pipeline}",
+             "validation.replica": "false"}),  # the training engine's roles sampled directly
 }  # fmt: skip
 
 
@@ -298,6 +299,12 @@ def test_a_family_goes_from_prompts_to_samples_and_an_export(family, pipelines, 
         -3000:
     ]
     check_pictures(family, out, [1, 2])
+    # The student (validation.roles: student_ema in the recipes) was sampled through the inference replica after
+    # a sync at each of the 2 validations (version 2 at step 2), and the record says which version (Wan: through
+    # the engine, validation.replica=false).
+    record = (out / "samples" / "step_2" / "prompts.txt").read_text()
+    replica = "student_ema: sampled through the inference replica holding student_ema@2"
+    assert (replica in record) == (family != "wan") and ("replica" in record) == (family != "wan"), record
     check_tensorboard(out)
     exported = out / "export" / "global_step_2" / "student_ema"
     assert (exported / "peft" / "adapter_model.safetensors").is_file()

@@ -641,6 +641,10 @@ class ValidationSpec:
     """Euler steps of the teacher's samples in the decoded (pipeline) validation, with its CFG and shift
     algorithm.sigma_shift: the reference the students' samples are compared with (the digits table has
     its own fixed 1 to 32)."""
+    replica: bool = True
+    """Decoded (pipeline) validation samples each student role through the inference replica, a diffusers
+    pipeline of the family on rank 0 that a weight sync of the role updates first (the record names the
+    version sampled); false samples the training engine's roles directly, split over the ranks."""
 
     def validate(self, key: str) -> None:
         check_int(f"{key}.every", self.every, minimum=0)

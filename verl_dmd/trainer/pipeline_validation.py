@@ -10,7 +10,11 @@ the same starting noise for every model, sampled by
   reference. The teacher is frozen, so it is sampled and decoded once per driver
   process and reused at every later validation;
 - each role of ``validation.roles`` (student, student_ema) at 1 step, its trained
-  step count and ``validation.sampling_steps``, with fixed re-noising draws.
+  step count and ``validation.sampling_steps``, with fixed re-noising draws: by
+  default through the inference replica (``validation.replica``: a diffusers
+  pipeline of the family on rank 0, to which a weight sync publishes the role
+  first, `verl_dmd.workers.replica`; the table and prompts.txt name the version
+  sampled), else by the training engine's role directly.
 
 Sampling and decoding are split over the ranks (`group.euler`, `group.few_step`,
 `group.decode`: the VAE is loaded on each worker from model.teacher.path). What is
@@ -112,6 +116,8 @@ class PipelineValidator:
             ]
         )
         self._teacher: tuple[torch.Tensor, torch.Tensor, float] | None = None
+        self._synced: dict[str, str] = {}
+        self._sync_seconds: dict[str, float] = {}
 
     # -- sampling
 
@@ -148,7 +154,21 @@ class PipelineValidator:
             schedule = even_schedule(steps, algorithm.sigma_shift, sigma_max).tolist()
         draws = seeding.generator(self.plan.trainer.seed, "validation.renoise", steps)
         renoise = renoise_draws(self.noise.shape, steps, draws)
+        if self.plan.validation.replica:
+            latents, version = self.group.replica_few_step(self.noise, self.cond, schedule, renoise)
+            if version != self._synced[role]:
+                raise RuntimeError(
+                    f"the replica sampled {version}, not the {self._synced[role]} synced for {role}"
+                )
+            return latents
         return self.group.few_step(role, self.noise, self.cond, schedule, renoise)
+
+    def _sync(self, role: str) -> str:
+        """Publish `role` to the replica (`verl_dmd.runtime.weight_sync`); the version it then holds."""
+        synced = self.group.sync_replica(role)
+        self._synced[role] = synced["version"]
+        self._sync_seconds[role] = synced["seconds"]
+        return synced["version"]
 
     def run(self, out_dir: Path, global_step: int) -> ValidationReport:
         """Sample every row, decode, compare with the teacher, write the pictures; the report."""
@@ -159,6 +179,8 @@ class PipelineValidator:
             ("teacher", self.plan.validation.teacher_steps, teacher_latents, teacher_pixels, teacher_seconds)
         ]
         for role in (r for r in ("student", "student_ema") if r in self.plan.validation.roles):
+            if self.plan.validation.replica:
+                self._sync(role)
             for steps in self._student_steps():
                 started = time.perf_counter()
                 latents = self._student_sample(role, steps)
@@ -184,9 +206,12 @@ class PipelineValidator:
             psnr = 10.0 * math.log10(1.0 / pixel_mse) if pixel_mse > 0 else float("inf")
             metrics.update({f"val/{name}/latent_mse": latent_mse, f"val/{name}/pixel_mse": pixel_mse,
                             f"val/{name}/psnr": psnr})  # fmt: skip
+            shown = f"{model} ({self._synced[model]} on the replica)" if model in self._synced else model
             table.append(
-                f"| {model} | {steps} | {latent_mse:.4g} | {pixel_mse:.4g} | {psnr:.2f} | {seconds:.1f} |"
+                f"| {shown} | {steps} | {latent_mse:.4g} | {pixel_mse:.4g} | {psnr:.2f} | {seconds:.1f} |"
             )
+        for role, seconds in self._sync_seconds.items():
+            metrics[f"val/sync/{role}/seconds"] = seconds
         comparison = _comparison([r[3].numpy() for r in rows], video)
         save_png(samples / "comparison.png", comparison)
         if video:
@@ -198,6 +223,8 @@ class PipelineValidator:
         (samples / "prompts.txt").write_text(
             "".join(f"{i}\t{p}\n" for i, p in enumerate(self.prompts))
             + "\nrows of comparison.png: " + ", ".join(f"{m} {s}-step" for m, s, *_ in rows) + "\n"
+            + "".join(f"{role}: sampled through the inference replica holding {version}\n"
+                      for role, version in self._synced.items())
         )  # fmt: skip
         _save_latents(samples / "latents.safetensors", rows, self.prompts)
         scope = (f"{len(self.prompts)} prompt(s) at {self.height}x{self.width}"

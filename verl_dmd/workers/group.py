@@ -103,6 +103,20 @@ class WorkerGroup:
         batch split over the ranks."""
         return self._split_call("decode", {"latents": latents}, {"height": height, "width": width})
 
+    def sync_replica(self, role: str, *, components: tuple[str, ...] = ("transformer",), blend: float | None = None
+                     ) -> dict[str, Any]:  # fmt: skip
+        """Publish `role`'s weights to the inference replica (rank 0's; `RankSession.sync_replica`): the new
+        version, seconds and peak bytes."""
+        return self._call("sync_replica", role, tuple(components), blend)[0]
+
+    def replica_few_step(self, noise, cond, schedule, renoise) -> tuple[torch.Tensor, str]:
+        """Few-step samples by the replica (rank 0 samples the whole batch) and the transformer version."""
+        out = self._call("replica_few_step", noise, cond, [float(s) for s in schedule], list(renoise))[0]
+        return out["samples"], out["version"]
+
+    def replica_state(self) -> dict[str, Any]:
+        return self._call("replica_state")[0]
+
     def _split_call(self, method: str, tensors: dict[str, Any], rest: dict[str, Any]) -> torch.Tensor:
         """A sampling call padded to a multiple of the world size; the samples in order, padding trimmed."""
         padded, pad = batches.pad_to_multiple(tensors, self.world_size)

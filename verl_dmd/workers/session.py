@@ -8,6 +8,7 @@ Every method is collective: all ranks call it with their part of the inputs.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -190,6 +191,90 @@ class RankSession:
                 self.adapter, module, noise.to(device), {k: v.to(device) for k, v in cond.items()},
                 torch.tensor(schedule), [r.to(device) for r in renoise],
             ).cpu()  # fmt: skip
+
+    # ------------------------------------------------------------------ the inference replica (rank 0)
+
+    def sync_replica(self, role: str, components: tuple[str, ...] = ("transformer",),
+                     blend: float | None = None) -> dict[str, Any] | None:  # fmt: skip
+        """Publish `role`'s weights to the inference replica held by rank 0 (built on first use from the
+        teacher's pipeline directory): every rank gathers each full tensor in turn (collective), rank 0 copies
+        it in. The replica's check runs before any gather, its verdict shared by every rank, so a refused sync
+        moves nothing and every rank raises the same one line. Rank 0 returns the new versions, the seconds
+        and the peak bytes; the other ranks None."""
+        self.wake()
+        import torch.distributed as dist
+
+        from verl_dmd.runtime.weight_sync import WeightSyncPlan, gather_role_weights, role_manifest
+        from verl_dmd.workers.replica import ReplicaError
+
+        plan = WeightSyncPlan(role, tuple(components), blend=blend)
+        manifests = {"transformer": role_manifest(self.engine, plan.role)}
+        verdict = [None]
+        if self.rank == 0:
+            try:
+                self._replica().check(plan, manifests)
+            except (ReplicaError, ValueError) as err:
+                verdict = [str(err)]
+        if self.world_size > 1:
+            dist.broadcast_object_list(verdict, src=0)
+        if verdict[0] is not None:
+            raise ReplicaError(verdict[0])
+        stats: dict[str, float] = {}
+        device = self.engine.device
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            before = torch.cuda.memory_allocated(device)
+        started = time.perf_counter()
+        gathered = (
+            ("transformer", name, t) for name, t in gather_role_weights(self.engine, plan.role, stats)
+        )
+        if self.rank != 0:
+            for _ in gathered:  # take part in every gather
+                pass
+            return None
+        try:
+            result = self._replica().sync(plan, manifests, gathered)
+        finally:
+            for _ in gathered:  # a failed transfer still takes part in the other ranks' gathers
+                pass
+        result.update(seconds=time.perf_counter() - started, gathered_peak_bytes=stats.get("gathered_peak_bytes", 0.0),
+                      role=plan.role.value, version=self._replica().version("transformer"))  # fmt: skip
+        if device.type == "cuda":
+            result["peak_extra_bytes"] = float(torch.cuda.max_memory_allocated(device) - before)
+        return result
+
+    def replica_few_step(self, noise, cond, schedule, renoise) -> dict[str, Any] | None:
+        """Few-step samples by the replica's transformer (rank 0; the others None), with the version sampled."""
+        if self.rank != 0:
+            return None
+        replica = self._replica()
+        return {
+            "samples": replica.few_step(noise, cond, schedule, renoise),
+            "version": replica.version("transformer"),
+        }
+
+    def replica_state(self) -> dict[str, Any] | None:
+        """Rank 0's replica: per-component versions and sources, and its counters (None elsewhere)."""
+        if self.rank != 0:
+            return None
+        replica = self._replica()
+        return {"versions": dict(replica.versions), "sources": dict(replica.sources), **replica.counters}
+
+    def _replica(self):
+        if getattr(self, "_replica_instance", None) is None:
+            from verl_dmd.data.prepared import teacher_pipeline
+            from verl_dmd.workers.replica import InferenceReplica, ReplicaError
+
+            root = teacher_pipeline(self.plan)
+            if root is None:
+                raise ReplicaError("the inference replica is built from the teacher's pipeline directory "
+                                   "(model.teacher.path with model.teacher.subfolder and a model_index.json); "
+                                   "this plan's teacher is not in one")  # fmt: skip
+            dtype = torch.bfloat16 if self.plan.model.param_dtype == "bfloat16" else torch.float32
+            self._replica_instance = InferenceReplica(
+                root, self.adapter, device=self.engine.device, dtype=dtype
+            )
+        return self._replica_instance
 
     # ------------------------------------------------------------------ decoding (pipeline validation)
 
