@@ -114,16 +114,23 @@ def test_the_replica_samples_as_the_trainer_and_keeps_what_a_sync_does_not_touch
         assert float((got - want).abs().max()) < 1e-5
         assert float((got - teacher).abs().max()) > 1e-3  # it would tell the teacher from the EMA
 
-        # A text encoder's sync (here: its own weights, doubled) drops its encodings and bumps its version only.
+        # A sync of another component (the VAE, here its own weights) keeps the encodings and bumps its version.
         from verl_dmd.workers.replica import ReplicaError
 
+        vae = [("vae", n, p.detach().clone()) for n, p in replica.components["vae"].named_parameters()]
+        replica.sync(WeightSyncPlan("teacher", ("vae",)), {"vae": replica.manifest("vae")}, vae)
+        replica.encode(prompts, max_sequence_length=32)
+        assert (replica.counters["text_cache_misses"], replica.counters["text_cache_hits"]) == (2, 6)
+        assert replica.versions["vae"] == 1 and replica.versions["text_encoder"] == 0
+
+        # A text encoder's sync (here: its own weights, doubled) drops its encodings and bumps its version only.
         encoder = replica.components["text_encoder"]
         manifest = replica.manifest("text_encoder")
         doubled = [("text_encoder", n, p.detach() * 2) for n, p in encoder.named_parameters()]
         replica.sync(WeightSyncPlan("teacher", ("text_encoder",)), {"text_encoder": manifest}, doubled)
         assert replica.versions["text_encoder"] == 1 and replica.versions["transformer"] == 1
         replica.encode(prompts, max_sequence_length=32)
-        assert replica.counters["text_cache_misses"] == 4
+        assert replica.counters["text_cache_misses"] == 4  # both prompts encoded again
 
         # Refused before any transfer, with one line; the replica is unchanged.
         held = {n: p.detach().clone() for n, p in replica.components["transformer"].named_parameters()}
@@ -151,13 +158,19 @@ def test_the_replica_samples_as_the_trainer_and_keeps_what_a_sync_does_not_touch
         assert replica.versions["transformer"] == 1 and replica.admitting
         assert_bitwise({n: p.detach() for n, p in replica.components["transformer"].named_parameters()}, held)
 
+        # The teacher is the base with the adapters off: its full weights are the pipeline's own file.
+        group.sync_replica("teacher")
+        teacher_file = sorted((pipeline / "transformer").glob("*.safetensors"))[0]
+        assert_bitwise({n: p.detach() for n, p in replica.components["transformer"].named_parameters()},
+                       safetensors.torch.load_file(str(teacher_file)))  # fmt: skip
+
         # A transfer that ends short marks the component unknown: sampling refuses until a sync completes.
         with pytest.raises(ReplicaError, match="weights not sent"):
             replica.sync(WeightSyncPlan("student"), {"transformer": transformer}, iter([]))
         with pytest.raises(ReplicaError, match="the transformer weights are incomplete"):
             replica.few_step(noise, cond, schedule, draws)
         group.sync_replica("student")
-        assert group.replica_state()["versions"]["transformer"] == 2
+        assert group.replica_state()["versions"]["transformer"] == 3
         assert json.dumps(group.replica_state())  # plain data for the driver
     finally:
         group.close()
