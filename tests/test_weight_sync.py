@@ -14,7 +14,7 @@ import pytest
 import safetensors.torch
 import torch
 from dist_harness import run_ranks
-from weight_sync_scenarios import set_roles, sync_plan, sync_scenario
+from weight_sync_scenarios import failing_sync_scenario, set_roles, sync_plan, sync_scenario
 
 from verl_dmd.runtime.weight_sync import WeightSyncError, WeightSyncPlan
 
@@ -131,6 +131,8 @@ def test_the_replica_samples_as_the_trainer_and_keeps_what_a_sync_does_not_touch
         assert replica.versions["text_encoder"] == 1 and replica.versions["transformer"] == 1
         replica.encode(prompts, max_sequence_length=32)
         assert replica.counters["text_cache_misses"] == 4  # both prompts encoded again
+        replica.encode(prompts, max_sequence_length=16)  # another length: other encodings
+        assert replica.counters["text_cache_misses"] == 6
 
         # Refused before any transfer, with one line; the replica is unchanged.
         held = {n: p.detach().clone() for n, p in replica.components["transformer"].named_parameters()}
@@ -169,8 +171,19 @@ def test_the_replica_samples_as_the_trainer_and_keeps_what_a_sync_does_not_touch
             replica.sync(WeightSyncPlan("student"), {"transformer": transformer}, iter([]))
         with pytest.raises(ReplicaError, match="the transformer weights are incomplete"):
             replica.few_step(noise, cond, schedule, draws)
+        with pytest.raises(ReplicaError, match="a blend into it would be wrong"):
+            replica.check(WeightSyncPlan("student", blend=0.5), {"transformer": transformer})
         group.sync_replica("student")
         assert group.replica_state()["versions"]["transformer"] == 3
         assert json.dumps(group.replica_state())  # plain data for the driver
     finally:
         group.close()
+
+
+def test_a_sync_that_fails_on_rank_0_leaves_no_rank_waiting(pipeline, tmp_path):
+    """2 gloo ranks: rank 0's transfer fails half way; the other rank finishes its gathers and returns, the
+    engine's active role is restored, the replica's transformer is marked incomplete, and the next sync
+    completes on both ranks."""
+    result = run_ranks(failing_sync_scenario, 2, tmp_path / "run", str(pipeline), str(tmp_path / "out"))[0]
+    assert result["failed"] == "disk full (injected)" and result["incomplete"] is None
+    assert result["active"] is None and result["done"]["versions"] == {"transformer": 1}

@@ -64,3 +64,43 @@ def sync_scenario(rank: int, world_size: int, pipeline_dir: str, layout: str, ou
         return None
     return {"checkpoint": path, "first": first, "blended": blended, "ema": ema, "after_blend": after_blend,
             "state": state}  # fmt: skip
+
+
+def failing_sync_scenario(rank: int, world_size: int, pipeline_dir: str, output_dir: str) -> dict | None:
+    """Rank 0's replica fails after two tensors of a sync: every rank returns (no rank left in a gather), the
+    engine's active role is restored, and the next sync completes."""
+    from verl_dmd.workers.replica import InferenceReplica
+    from verl_dmd.workers.session import RankSession
+
+    session = RankSession(
+        sync_plan(pipeline_dir, "shared_base_adapters", output_dir), rank=rank, world_size=world_size
+    )
+    set_roles(session.engine)
+    failed = None
+    if rank == 0:
+        real = InferenceReplica.sync
+
+        def broken(self, plan, manifests, tensors):
+            def two_then_fail():
+                for i, item in enumerate(tensors):
+                    if i == 2:
+                        raise OSError("disk full (injected)")
+                    yield item
+
+            return real(self, plan, manifests, two_then_fail())
+
+        InferenceReplica.sync = broken
+        try:
+            session.sync_replica(Role.STUDENT_EMA.value)
+        except OSError as err:
+            failed = str(err)
+        finally:
+            InferenceReplica.sync = real
+        incomplete = session.replica_state()["versions"]["transformer"]
+    else:
+        assert session.sync_replica(Role.STUDENT_EMA.value) is None
+    active = session.engine.active_role
+    done = session.sync_replica(Role.STUDENT_EMA.value)
+    if rank != 0:
+        return None
+    return {"failed": failed, "incomplete": incomplete, "active": active, "done": done}

@@ -11,8 +11,9 @@ any transfer, and the tensors.
 
 A role's *full weights* are what its forwards compute with, as one plain model: every parameter of the
 bare model (LoRA layers' ``base_layer`` segments dropped), and for a LoRA layer with the role's adapter
-active its base weight plus the adapter's delta, computed as PEFT's merge computes it (``B @ A`` times the
-scaling, added in the weight's dtype), so the result is the exported merged model's bit for bit.
+active its base weight plus the adapter's delta (``B @ A`` times the scaling, PEFT's arithmetic) added in
+float32 (a bf16 base widened first) and rounded once, to the receiver's dtype: with float32 weights, the
+exported merged model's bit for bit.
 
 Gathering is collective: every rank walks the same parameters in the same order and takes part in each
 ``full_tensor`` all-gather; only one parameter's full tensor (and its LoRA factors) is alive at a time, never
@@ -118,15 +119,15 @@ def _active_adapter(layer: nn.Module) -> str | None:
     return present[0] if present else None
 
 
-def _delta(layer: nn.Module, adapter: str, like: torch.Tensor) -> torch.Tensor:
+def _delta(layer: nn.Module, adapter: str) -> torch.Tensor:
     """The adapter's weight delta as PEFT's merge computes it (B @ A, transposed for fan_in_fan_out, times
-    the scaling), in `like`'s dtype."""
-    b = _full(layer.lora_B[adapter].weight)
-    a = _full(layer.lora_A[adapter].weight)
+    the scaling), in float32."""
+    b = _full(layer.lora_B[adapter].weight).float()
+    a = _full(layer.lora_A[adapter].weight).float()
     delta = b @ a
     if getattr(layer, "fan_in_fan_out", False):
         delta = delta.T
-    return (delta * layer.scaling[adapter]).to(like.dtype)
+    return delta * layer.scaling[adapter]
 
 
 def _bare_names(engine, module: nn.Module) -> Iterator[tuple[str, str, nn.Parameter, nn.Module | None]]:
@@ -146,6 +147,13 @@ def _bare_names(engine, module: nn.Module) -> Iterator[tuple[str, str, nn.Parame
             parent = modules.get(owner_name.rpartition(".")[0] if "." in owner_name else "")
             if isinstance(parent, BaseTunerLayer) and leaf == "weight":
                 layer = parent
+                if not isinstance(parent.get_base_layer(), nn.Linear) or getattr(
+                    parent, "lora_embedding_A", None
+                ):
+                    raise WeightSyncError(
+                        f"{owner_name.rpartition('.')[0]}: a LoRA on a {type(parent.get_base_layer()).__name__}; a sync "
+                        "merges LoRA on linear layers only; fix: target linear layers (model.<role>.lora.target_modules)"
+                    )
         bare = canonical_name(name).replace(".base_layer.", ".")
         yield bare, name, param, layer
 
@@ -168,10 +176,12 @@ def gather_role_weights(
             full = _full(param)
             held = full.numel() * full.element_size()
             adapter = _active_adapter(layer) if layer is not None else None
-            if adapter is not None:
-                merged = full.clone()
-                delta = _delta(layer, adapter, merged)
-                held += merged.numel() * merged.element_size() * 2
+            if adapter is not None:  # merged in float32 (a bf16 base widened): rounded once, by the receiver
+                merged = full.to(
+                    torch.float32, copy=True
+                )  # a copy: `full` may be the parameter's own storage
+                delta = _delta(layer, adapter)
+                held += merged.numel() * 4 * 2
                 merged += delta
                 full = merged
             if stats is not None:

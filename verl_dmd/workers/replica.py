@@ -10,7 +10,8 @@ the versions of the text encoders that made them. A sync runs this lifecycle:
    shapes, floating dtypes); a failure is one line and the replica is untouched;
 2. stop admitting requests (a request during a sync is refused with one line, never served half-updated);
 3. transfer: each tensor is copied into the parameter in place (``copy_``: the same storage, so compiled
-   graphs and hooks that hold the parameters stay valid), or blended (``decay * held + (1 - decay) * new``);
+   graphs and hooks that hold the parameters stay valid), or blended (``decay * held + (1 - decay) * new``),
+   rounded once to the replica's dtype (incoming weights are float32 or the training dtype);
 4. bump the version of the synced components only, and drop the caches made from them only (a transformer
    sync keeps the prompts' encodings: their key names the text encoders' versions, which did not change);
 5. admit again (also when the transfer failed half way: then the component's version is marked ``None``,
@@ -60,7 +61,9 @@ class InferenceReplica:
         self.sources: dict[str, str] = dict.fromkeys(self.components, "pipeline")
         """The role (or "pipeline": the files it was loaded from) each component's current version came from."""
         self.admitting = True
-        self.text_cache: dict[tuple[str, tuple[tuple[str, int | None], ...]], dict[str, torch.Tensor]] = {}
+        self.text_cache: dict[
+            tuple[str, int | None, tuple[tuple[str, int | None], ...]], dict[str, torch.Tensor]
+        ] = {}
         self.counters = {"text_cache_hits": 0, "text_cache_misses": 0, "syncs": 0}
 
     # ------------------------------------------------------------------ syncs
@@ -78,6 +81,9 @@ class InferenceReplica:
             if component not in manifests:
                 raise ReplicaError(f"weight sync {plan.describe()}: the role {plan.role.value} holds no "
                                    f"{component} weights (it holds {', '.join(sorted(manifests)) or 'none'})")  # fmt: skip
+            if plan.blend is not None and self.versions[component] is None:
+                raise ReplicaError(f"weight sync {plan.describe()}: the replica's {component} is incomplete (a sync "
+                                   "failed half way): a blend into it would be wrong; sync the role without blend first")  # fmt: skip
             mine, theirs = self.manifest(component), manifests[component]
             missing, unexpected = sorted(mine.keys() - theirs.keys()), sorted(theirs.keys() - mine.keys())
             if missing or unexpected:
@@ -136,7 +142,7 @@ class InferenceReplica:
         them (the key names the versions, so they would miss anyway; dropped so they free their memory)."""
         changed = set(components)
         self.text_cache = {
-            key: value for key, value in self.text_cache.items() if not changed & {c for c, _ in key[1]}
+            key: value for key, value in self.text_cache.items() if not changed & {c for c, _ in key[2]}
         }
 
     # ------------------------------------------------------------------ requests
@@ -163,7 +169,7 @@ class InferenceReplica:
         versions = tuple((c, self.versions[c]) for c in encoders)
         rows: list[dict[str, torch.Tensor]] = []
         for prompt in prompts:
-            key = (prompt, versions)
+            key = (prompt, max_sequence_length, versions)
             if key not in self.text_cache:
                 self.counters["text_cache_misses"] += 1
                 with torch.no_grad():

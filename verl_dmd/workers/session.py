@@ -8,6 +8,7 @@ Every method is collective: all ranks call it with their part of the inputs.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -213,8 +214,13 @@ class RankSession:
         if self.rank == 0:
             try:
                 self._replica().check(plan, manifests)
-            except (ReplicaError, ValueError) as err:
+            except ReplicaError as err:
                 verdict = [str(err)]
+            except Exception as err:  # building the replica failed: every rank must hear it, not wait
+                lines = str(err).strip().splitlines()
+                verdict = [
+                    f"the inference replica could not be built: {type(err).__name__}: {lines[-1] if lines else ''}"
+                ]
         if self.world_size > 1:
             dist.broadcast_object_list(verdict, src=0)
         if verdict[0] is not None:
@@ -225,18 +231,17 @@ class RankSession:
             torch.cuda.reset_peak_memory_stats(device)
             before = torch.cuda.memory_allocated(device)
         started = time.perf_counter()
-        gathered = (
-            ("transformer", name, t) for name, t in gather_role_weights(self.engine, plan.role, stats)
-        )
-        if self.rank != 0:
-            for _ in gathered:  # take part in every gather
-                pass
-            return None
-        try:
-            result = self._replica().sync(plan, manifests, gathered)
-        finally:
-            for _ in gathered:  # a failed transfer still takes part in the other ranks' gathers
-                pass
+        with contextlib.closing(gather_role_weights(self.engine, plan.role, stats)) as weights:
+            gathered = (("transformer", name, t) for name, t in weights)
+            if self.rank != 0:
+                for _ in gathered:  # take part in every gather
+                    pass
+                return None
+            try:
+                result = self._replica().sync(plan, manifests, gathered)
+            finally:
+                for _ in gathered:  # a failed transfer still takes part in the other ranks' gathers
+                    pass
         result.update(seconds=time.perf_counter() - started, gathered_peak_bytes=stats.get("gathered_peak_bytes", 0.0),
                       role=plan.role.value, version=self._replica().version("transformer"))  # fmt: skip
         if device.type == "cuda":
@@ -270,7 +275,7 @@ class RankSession:
                 raise ReplicaError("the inference replica is built from the teacher's pipeline directory "
                                    "(model.teacher.path with model.teacher.subfolder and a model_index.json); "
                                    "this plan's teacher is not in one")  # fmt: skip
-            dtype = torch.bfloat16 if self.plan.model.param_dtype == "bfloat16" else torch.float32
+            dtype = getattr(torch, self.plan.model.param_dtype)  # float32, bfloat16 or float16
             self._replica_instance = InferenceReplica(
                 root, self.adapter, device=self.engine.device, dtype=dtype
             )
