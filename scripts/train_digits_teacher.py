@@ -98,18 +98,25 @@ def main(argv=None) -> int:
     adapter = get_adapter("dit")()
     train_split, holdout = load_digits_splits(seed=args.seed)
     evaluation = DigitsEvaluation(
-        train_digits_classifier(train_split, seed=args.seed), holdout, num_samples=args.eval_samples
+        train_digits_classifier(train_split, seed=args.seed),
+        holdout,
+        train_split,
+        num_samples=args.eval_samples,
     )
     cond = {"class_labels": evaluation.labels}
     null = {"class_labels": torch.full_like(evaluation.labels, adapter.null_class(model))}
-    print("guidance  steps  digits-FID  accuracy")
+    print("guidance  steps  digits-FID  accuracy  precision  recall  memorisation")
     for guidance in args.guidance:
         for steps in TEACHER_STEPS:
             images = euler_sample(
                 adapter, model, evaluation.noise, cond, steps, guidance=guidance, uncond=null
             )
             row = evaluation.row("teacher", "euler", steps, images)
-            print(f"{guidance:8.1f} {steps:6d} {row.fid:11.2f} {row.accuracy:9.3f}", flush=True)
+            print(
+                f"{guidance:8.1f} {steps:6d} {row.fid:11.2f} {row.accuracy:9.3f} {row.precision:10.3f} "
+                f"{row.recall:7.3f} {row.memorisation:13.3f}",
+                flush=True,
+            )
     return 0
 
 

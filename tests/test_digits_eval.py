@@ -76,3 +76,84 @@ def test_digits_fid_separates_real_from_noise(classifier_and_data):
     noise = digits_quality(classifier, torch.randn(360, 1, 8, 8).clamp(-1, 1), train.labels[:360], holdout)
     assert real["accuracy"] >= 0.95 and noise["accuracy"] < 0.5
     assert noise["fid"] > 20 * real["fid"]
+
+
+# ---------------------------------------------------------------- nearest-neighbour measures (issue 21)
+
+
+def reference_precision_recall(real: np.ndarray, fake: np.ndarray, k: int) -> tuple[float, float]:
+    """Kynkaanniemi et al.'s definition written out with loops over points, in float64 numpy."""
+
+    def radii(points):
+        return np.array([np.sort(np.sqrt(((points - p) ** 2).sum(1)))[k] for p in points])
+
+    def covered(queries, support, r):
+        return np.mean([np.any(np.sqrt(((support - q) ** 2).sum(1)) <= r) for q in queries])
+
+    return covered(fake, real, radii(real)), covered(real, fake, radii(fake))
+
+
+def test_precision_recall_match_a_loop_reference():
+    """Random overlapping clouds of different sizes and spreads: equal to the loop reference."""
+    from verl_dmd.eval.neighbours import precision_recall
+
+    rng = np.random.default_rng(3)
+    for width, k in ((2, 3), (16, 5)):
+        real = rng.normal(size=(120, width))
+        fake = rng.normal(size=(90, width)) * 0.8 + 2.0 / width**0.5
+        ours = precision_recall(torch.as_tensor(real), fake, k=k)
+        reference = reference_precision_recall(real, fake, k)
+        assert (ours["precision"], ours["recall"]) == pytest.approx(reference, abs=1e-12)
+        assert 0.05 < ours["precision"] < 1.0 and 0.05 < ours["recall"] < 1.0  # neither trivial
+
+
+def test_precision_recall_see_collapse_and_unreal_samples():
+    """Samples = the real set: 1 and 1; samples that collapse onto one real point: precision 1, recall
+    small; samples far from the data: 0 and 0."""
+    from verl_dmd.eval.neighbours import precision_recall
+
+    rng = np.random.default_rng(4)
+    real = rng.normal(size=(200, 8))
+    assert precision_recall(real, real, k=5) == {"precision": 1.0, "recall": 1.0}
+    collapsed = precision_recall(real, real[:1] + 1e-3 * rng.normal(size=(50, 8)), k=5)
+    assert collapsed["precision"] == 1.0 and collapsed["recall"] < 0.05
+    assert precision_recall(real, real + 100.0, k=5) == {"precision": 0.0, "recall": 0.0}
+    with pytest.raises(ValueError, match="k = 200"):
+        precision_recall(real, real, k=200)
+    with pytest.raises(ValueError, match="same width"):
+        precision_recall(real, real[:, :4], k=5)
+
+
+def test_memorisation_ratio_flags_copies(classifier_and_data):
+    """Copies of training digits score 0, the held-out digits themselves 1, copies with a little pixel
+    noise stay well below 1; the median is of exact float64 distances (a loop reference)."""
+    from verl_dmd.eval.neighbours import memorisation_ratio, nearest_distances
+
+    _, train, holdout = classifier_and_data
+    pixels = [to_pixel_range(s.images) for s in (train, holdout)]
+    assert memorisation_ratio(pixels[0][:300], *pixels) == 0.0
+    assert memorisation_ratio(pixels[1], *pixels) == 1.0
+    jittered = (
+        pixels[0][:300] + torch.randn(300, 1, 8, 8, generator=torch.Generator().manual_seed(0))
+    ).clamp(0, 16)
+    assert 0.1 < memorisation_ratio(jittered, *pixels) < 0.6
+    flat = [p.reshape(len(p), -1).double().numpy() for p in (holdout.images[:20], train.images)]
+    loop = [min(np.sqrt(((flat[1] - q) ** 2).sum(1))) for q in flat[0]]
+    assert nearest_distances(holdout.images[:20], train.images).numpy() == pytest.approx(loop, rel=1e-12)
+
+
+def test_quality_rows_carry_every_measure(classifier_and_data, tmp_path):
+    """A table row of training digits: accurate, precise, and flagged as copies (memorisation 0); the
+    table prints every column and the .npz records them."""
+    from verl_dmd.eval.digits_report import DigitsEvaluation, format_table
+
+    classifier, train, holdout = classifier_and_data
+    evaluation = DigitsEvaluation(classifier, holdout, train, num_samples=100, out_dir=tmp_path)
+    index = torch.cat([torch.nonzero(train.labels == c)[:10, 0] for c in range(10)])
+    images = train.images[index].reshape(10, 10, 1, 8, 8).transpose(0, 1).reshape(100, 1, 8, 8)  # i mod 10
+    row = evaluation.row("real", "none", 0, images)
+    assert row.accuracy >= 0.95 and row.precision >= 0.9 and row.memorisation == 0.0 and 0 < row.recall < 1
+    table = format_table([row])
+    assert "| precision | recall | memorisation |" in table and f"| {row.recall:.3f} | 0.000 |" in table
+    saved = np.load(row.samples)
+    assert float(saved["recall"]) == row.recall and float(saved["memorisation"]) == 0.0

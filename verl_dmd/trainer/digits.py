@@ -5,8 +5,8 @@
   ``data.regression_pairs_path``) and, for the GAN term, real digits; global
   batches by position (`DigitsConditionStream`), so the state is one integer and
   the batches do not depend on the world size.
-- `DigitsValidator`: the quality table (digits-FID and class accuracy against
-  the held-out split) of the teacher (Euler, 1 to 32 steps) and of the student
+- `DigitsValidator`: the quality table (digits-FID, class accuracy, k-NN precision
+  and recall against the held-out split, and the memorisation ratio) of the teacher (Euler, 1 to 32 steps) and of the student
   roles (1 step and the trained step count), sample grids and .npz files.
 """
 
@@ -159,7 +159,7 @@ class DigitsValidator:
             from verl_dmd.eval.digits_classifier import train_digits_classifier
 
             train_split, holdout = load_digits_splits(seed=0)
-            self._evaluation_parts = (train_digits_classifier(train_split, seed=0), holdout)
+            self._evaluation_parts = (train_digits_classifier(train_split, seed=0), holdout, train_split)
         return self._evaluation_parts
 
     def run(self, out_dir: Path, global_step: int) -> ValidationReport:
@@ -167,10 +167,10 @@ class DigitsValidator:
         from verl_dmd.algorithms.sampling import even_schedule, renoise_draws, trained_schedule
         from verl_dmd.eval.digits_report import TEACHER_STEPS, DigitsEvaluation, format_table
 
-        classifier, holdout = self._parts()
+        classifier, holdout, train_split = self._parts()
         plan, info = self.plan, self.info
         evaluation = DigitsEvaluation(
-            classifier, holdout, num_samples=plan.validation.num_samples, out_dir=out_dir
+            classifier, holdout, train_split, num_samples=plan.validation.num_samples, out_dir=out_dir
         )
         cond = {"class_labels": evaluation.labels}
         guidance = teacher_guidance(plan)
@@ -196,6 +196,9 @@ class DigitsValidator:
         for row in rows:
             metrics[f"val/{row.model}_{row.steps}step/fid"] = row.fid
             metrics[f"val/{row.model}_{row.steps}step/accuracy"] = row.accuracy
+            metrics[f"val/{row.model}_{row.steps}step/precision"] = row.precision
+            metrics[f"val/{row.model}_{row.steps}step/recall"] = row.recall
+            metrics[f"val/{row.model}_{row.steps}step/memorisation"] = row.memorisation
         return ValidationReport(
             title="digits quality",
             scope=f"{plan.validation.num_samples} samples per row against the {len(holdout)} held-out digits",
