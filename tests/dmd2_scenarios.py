@@ -19,7 +19,7 @@ REGRESSION_WEIGHT = 0.5
 GAN_GENERATOR_WEIGHT = 0.7  # large, so that a wrong GAN gradient cannot hide under the DMD term
 
 
-def dmd2_plan():
+def dmd2_plan(gan_sigma_max=None, gan_head="pooled"):
     return make_plan(
         "sd3",
         "shared_base_adapters",
@@ -34,6 +34,8 @@ def dmd2_plan():
             "algorithm.regression_weight": REGRESSION_WEIGHT,
             "algorithm.gan_generator_weight": GAN_GENERATOR_WEIGHT,
             "algorithm.gan_discriminator_weight": 0.5,
+            "algorithm.gan_sigma_max": gan_sigma_max,
+            "algorithm.gan_head": gan_head,
             "data.regression_pairs_path": "pairs.safetensors",  # the batch below carries the pairs
         },
     )
@@ -55,8 +57,8 @@ def dmd2_batch(adapter, model, size: int, seed: int) -> dict[str, torch.Tensor]:
     return batch
 
 
-def probe_student_gradient(rank: int, world_size: int) -> dict:
-    plan = dmd2_plan()
+def probe_student_gradient(rank: int, world_size: int, gan_sigma_max=None, gan_head="pooled") -> dict:
+    plan = dmd2_plan(gan_sigma_max, gan_head)
     adapter = get_adapter("sd3")()
     computer = DMD2Computer(adapter, plan.algorithm, seed=plan.trainer.seed, rank=rank)
     engine = RoleEngine(plan, adapter, extra_modules=computer.extra_modules())
@@ -66,7 +68,20 @@ def probe_student_gradient(rank: int, world_size: int) -> dict:
     )
     head = {n: full(p).detach().clone() for n, p in engine.extra_module("dmd_gan_head").named_parameters()}
     head_moves, phase_metrics = [], []
+
+    def trained_weights():
+        return {
+            f"{role.value}:{strip_model_prefix(engine.param_names[id(p)])}": full(p).detach().clone()
+            for role in (Role.STUDENT, Role.FAKE_SCORE)
+            for p in engine.params[role]
+        }
+
     for phase in range(4):  # fake (warmup), student, fake, fake: every role has moved
+        if phase == 3:  # what the last fake-score phase starts from (its float64 reference replays it)
+            before_fake = {
+                "weights": trained_weights(),
+                "state": {k: v.clone() for k, v in computer.state_dict().items()},
+            }
         role = controller.next_phase()
         step = controller.student_steps if role is Role.STUDENT else controller.fake_steps
         request = PhaseRequest(
@@ -80,11 +95,7 @@ def probe_student_gradient(rank: int, world_size: int) -> dict:
         head_moves.append((role.value, any(not torch.equal(now[n], head[n]) for n in now)))
         head = now
         phase_metrics.append(metrics)
-    weights = {
-        f"{role.value}:{strip_model_prefix(engine.param_names[id(p)])}": full(p).detach().clone()
-        for role in (Role.STUDENT, Role.FAKE_SCORE)
-        for p in engine.params[role]
-    }
+    weights = trained_weights()
     state = {k: v.clone() for k, v in computer.state_dict().items()}
     probe = dmd2_batch(adapter, engine.module_for(Role.STUDENT), PER_RANK * world_size, seed=999)
     request = PhaseRequest(role=Role.STUDENT, global_step=1, role_step=1, phase_index=4)
@@ -110,6 +121,7 @@ def probe_student_gradient(rank: int, world_size: int) -> dict:
         "exits": exits,
         "metrics": {k: float(v) for k, v in output.metrics.items()},
         "head_moves": head_moves,
+        "before_fake": before_fake,
         "phase_metrics": phase_metrics,
         "head_role": [
             role.value

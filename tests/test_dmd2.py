@@ -39,6 +39,17 @@ def probed(tmp_path_factory):
     return run_ranks(probe_student_gradient, WORLD_SIZE, tmp_path_factory.mktemp("dmd2"))
 
 
+GAN_SIGMA_MAX = 0.3
+
+
+@pytest.fixture(scope="module")
+def probed_gan_levels(tmp_path_factory):
+    """The same phases with the GAN's own noise levels (algorithm.gan_sigma_max) and the conv head."""
+    return run_ranks(
+        probe_student_gradient, WORLD_SIZE, tmp_path_factory.mktemp("dmd2_gan"), GAN_SIGMA_MAX, "conv"
+    )
+
+
 def shift(sigma, s):
     return s * sigma / (1 + (s - 1) * sigma)
 
@@ -46,8 +57,8 @@ def shift(sigma, s):
 class Float64DMD2:
     """Plain PEFT model in float64 with the runtime's trained adapters loaded."""
 
-    def __init__(self, weights):
-        self.plan = dmd2_plan()
+    def __init__(self, weights, gan_sigma_max=None, gan_head="pooled"):
+        self.plan = dmd2_plan(gan_sigma_max, gan_head)
         self.adapter = get_adapter("sd3")()
         torch.manual_seed(self.plan.trainer.seed)
         model = self.adapter.build_model(ModelSource.of(self.plan.model.teacher))
@@ -55,12 +66,22 @@ class Float64DMD2:
         for name in ("student", "fake_score", "student_ema"):
             config = LoraConfig(r=4, lora_alpha=4, target_modules=list(self.adapter.default_lora_targets))
             model.add_adapter(config, adapter_name=name)
-        # The GAN head, written out here (mean over tokens, LayerNorm, Linear-SiLU-Linear); the ranks'
-        # trained weights are loaded into it below by name.
+        # The GAN head's parameters, held here by name (the ranks' trained weights are loaded into them
+        # below); gan_logits writes its arithmetic out. pooled: LayerNorm, Linear-SiLU-Linear; conv:
+        # LayerNorm, a projection, two stride-2 3x3 convolutions each with GroupNorm, a linear output.
         dim = model.config.num_attention_heads * model.config.attention_head_dim
         head = torch.nn.Module()
         head.norm = torch.nn.LayerNorm(dim)
-        head.mlp = torch.nn.Sequential(torch.nn.Linear(dim, dim), torch.nn.SiLU(), torch.nn.Linear(dim, 1))
+        if gan_head == "pooled":
+            head.mlp = torch.nn.Sequential(
+                torch.nn.Linear(dim, dim), torch.nn.SiLU(), torch.nn.Linear(dim, 1)
+            )
+        else:
+            head.proj = torch.nn.Linear(dim, dim)
+            conv, norm = (lambda: torch.nn.Conv2d(dim, dim, 3)), (lambda: torch.nn.GroupNorm(8, dim))
+            head.down = torch.nn.Sequential(conv(), norm(), torch.nn.SiLU(), conv(), norm(), torch.nn.SiLU())
+            head.out = torch.nn.Linear(dim, 1)
+        self.gan_head = gan_head
         model.add_module("dmd_gan_head", head)
         params = dict(model.named_parameters())
         with torch.no_grad():
@@ -89,8 +110,18 @@ class Float64DMD2:
             self.velocity("fake_score", x_t, sigma, cond)
         finally:
             hook.remove()
-        head = self.model.dmd_gan_head
-        return head.mlp(head.norm(tokens[0].mean(dim=1)))
+        head, features = self.model.dmd_gan_head, tokens[0]
+        if self.gan_head == "pooled":
+            return head.mlp(head.norm(features.mean(dim=1)))
+        # conv: the 16 image tokens of an 8x8 latent in 2x2 patches, row-major on a 4x4 grid
+        b, _, d = features.shape
+        f = torch.nn.functional
+        x = f.layer_norm(features, (d,), head.norm.weight, head.norm.bias, 1e-5) @ head.proj.weight.T
+        x = (x + head.proj.bias).reshape(b, 4, 4, d).permute(0, 3, 1, 2)
+        for conv, norm in ((head.down[0], head.down[1]), (head.down[3], head.down[4])):
+            x = f.conv2d(x, conv.weight, conv.bias, stride=2, padding=1)
+            x = f.silu(f.group_norm(x, 8, norm.weight, norm.bias, 1e-5))
+        return x.mean(dim=(2, 3)) @ head.out.weight.T + head.out.bias
 
     def rank_gradient(self, batch, state):
         alg = self.plan.algorithm
@@ -128,7 +159,13 @@ class Float64DMD2:
             weight = torch.stack([(x[i] - x0_real[i]).abs().mean() for i in range(b)]).clamp_min(1e-6)
             grad = (x0_fake - x0_real) / weight.view(-1, 1, 1, 1)
         loss = 0.5 * ((x - (x - grad).detach()) ** 2).mean()
-        # GAN generator term at the same noise level and eps, gradient into x through the fake score.
+        # GAN generator term, gradient into x through the fake score: at the DMD term's level and eps, or
+        # (gan_sigma_max) at its own level in [0, gan_sigma_max], shifted, and its own eps, drawn after them.
+        if alg.gan_sigma_max is not None:
+            u = torch.rand(b, generator=local, dtype=torch.float64)
+            sigma = shift(alg.gan_sigma_max * u, alg.sigma_shift).float().double()
+            s4 = sigma.view(-1, 1, 1, 1)
+            eps = torch.randn(x.shape, generator=local, dtype=torch.float32).double()
         logits = self.gan_logits((1 - s4) * x + s4 * eps, sigma, cond)
         loss = loss + GAN_GENERATOR_WEIGHT * torch.nn.functional.softplus(-logits).mean()
         # DMD v1 regression: the student's first step (sigma = 1, any shift fixes it) from the paired noise.
@@ -141,14 +178,96 @@ class Float64DMD2:
         grads = torch.autograd.grad(loss, list(self.student_params.values()))
         return exit_index, regression.item(), dict(zip(self.student_params, grads, strict=True))
 
+    def fake_phase_losses(self, batch, state):
+        """The fake-score phase's denoising and discriminator losses from the generator `state`, replaying
+        its draws: exit index (shared); re-noising before the exit; the level and eps of the denoising
+        term; with gan_sigma_max the fake input's GAN level and noise, then the real input's level; last
+        the real input's noise."""
+        alg = self.plan.algorithm
+        local, shared = torch.Generator(), torch.Generator()
+        local.set_state(state["local"])
+        shared.set_state(state["shared"])
+        cond = {k[5:]: v.double() for k, v in batch.items() if k.startswith("cond.")}
+        real_cond = {k[10:]: v.double() for k, v in batch.items() if k.startswith("real.cond.")}
+        x_t = batch["noise"].double()
+        b = x_t.shape[0]
+        levels = [shift(1 - i / STUDENT_STEPS, alg.sigma_shift) for i in range(STUDENT_STEPS + 1)]
+        exit_index = int(torch.randint(STUDENT_STEPS, (1,), generator=shared).item())
+        with torch.no_grad():
+            for step in range(exit_index + 1):
+                level = float(torch.tensor(levels[step], dtype=torch.float32))
+                sigma = torch.full((b,), level, dtype=torch.float64)
+                x = x_t - sigma.view(-1, 1, 1, 1) * self.velocity("student", x_t, sigma, cond)
+                if step < exit_index:
+                    nxt = float(torch.tensor(levels[step + 1], dtype=torch.float32))
+                    noise = torch.randn(x_t.shape, generator=local, dtype=torch.float32).double()
+                    x_t = (1 - nxt) * x + nxt * noise
 
-def test_student_gradient_matches_float64_reference(probed):
+            def level(low, high):
+                u = torch.rand(b, generator=local, dtype=torch.float64)
+                return shift(low + (high - low) * u, alg.sigma_shift).float().double()
+
+            def noised(clean, sigma, noise):
+                s4 = sigma.view(-1, 1, 1, 1)
+                return (1 - s4) * clean + s4 * noise
+
+            def normal():
+                return torch.randn(x.shape, generator=local, dtype=torch.float32).double()
+
+            sigma = level(alg.fake_sigma_min, alg.fake_sigma_max)
+            eps = normal()
+            velocity = self.velocity("fake_score", noised(x, sigma, eps), sigma, cond)
+            denoise = ((velocity - (eps - x)) ** 2).mean()
+            if alg.gan_sigma_max is None:
+                fake_logits = self.gan_logits(noised(x, sigma, eps), sigma, cond)
+                real_sigma = sigma
+            else:
+                gan_sigma = level(0.0, alg.gan_sigma_max)
+                fake_logits = self.gan_logits(noised(x, gan_sigma, normal()), gan_sigma, cond)
+                real_sigma = level(0.0, alg.gan_sigma_max)
+            real_logits = self.gan_logits(
+                noised(batch["real.x0"].double(), real_sigma, normal()), real_sigma, real_cond
+            )
+        softplus = torch.nn.functional.softplus
+        return denoise.item(), (softplus(fake_logits).mean() + softplus(-real_logits).mean()).item()
+
+
+@pytest.mark.parametrize("gan_sigma_max", [None, GAN_SIGMA_MAX])
+def test_discriminator_phase_matches_float64_reference(gan_sigma_max, request):
+    """The last fake-score phase's denoising and discriminator losses (averaged over the 2 ranks) equal a float64
+    replay of its draws from the state it started in, with the weights it started from: the pooled head at
+    the phase's levels, and the conv head at the GAN's own levels for the fake and the real input."""
+    rank0, rank1 = request.getfixturevalue("probed" if gan_sigma_max is None else "probed_gan_levels")
+    head = "pooled" if gan_sigma_max is None else "conv"
+    reference = Float64DMD2(rank0["before_fake"]["weights"], gan_sigma_max, head)
+    batch = dmd2_batch(reference.adapter, reference.model, PER_RANK * WORLD_SIZE, seed=103)
+    with default_dtype(torch.float64):
+        losses = [
+            reference.fake_phase_losses(
+                {k: v.float().chunk(WORLD_SIZE)[rank] for k, v in batch.items()},
+                result["before_fake"]["state"],
+            )
+            for rank, result in enumerate((rank0, rank1))
+        ]
+    got, other = rank0["phase_metrics"][3], rank1["phase_metrics"][3]
+    for key in ("fake_score/fake_loss", "fake_score/gan_discriminator_loss"):
+        assert got[key] == other[key]  # averaged over the ranks
+    want_denoise = sum(d for d, _ in losses) / WORLD_SIZE
+    want_disc = sum(g for _, g in losses) / WORLD_SIZE
+    assert got["fake_score/fake_loss"] == pytest.approx(want_denoise, rel=1e-4)
+    assert got["fake_score/gan_discriminator_loss"] == pytest.approx(want_disc, rel=1e-4)
+    assert abs(want_disc - 2 * math.log(2)) > 1e-3  # the head has trained: not the untrained value
+
+
+@pytest.mark.parametrize("gan_sigma_max", [None, GAN_SIGMA_MAX])
+def test_student_gradient_matches_float64_reference(gan_sigma_max, request):
     """The reduced student gradient of a guided, 3-step, backward-simulated DMD2 phase with the GAN
     generator and regression terms on 2 ranks equals the rank-averaged float64 reference gradient
-    (relative error < 1e-4); the fake-score phases before it trained the GAN head on real data."""
-    rank0, rank1 = probed
+    (relative error < 1e-4); the fake-score phases before it trained the GAN head on real data. With
+    algorithm.gan_sigma_max the GAN term reads its own noise levels (and the conv head reads them)."""
+    rank0, rank1 = request.getfixturevalue("probed" if gan_sigma_max is None else "probed_gan_levels")
     # Built in float32 (the ranks' init and draws), then converted: float64 from here on.
-    reference = Float64DMD2(rank0["weights"])
+    reference = Float64DMD2(rank0["weights"], gan_sigma_max, "pooled" if gan_sigma_max is None else "conv")
     probe = dmd2_batch(reference.adapter, reference.model, PER_RANK * WORLD_SIZE, seed=999)
     with default_dtype(torch.float64):
         per_rank = []

@@ -201,6 +201,9 @@ INVALID = [
     ({"algorithm.backward_simulation": "yes"}, "algorithm.backward_simulation"),
     ({"algorithm.gan_generator_weight": 0.01}, "algorithm.gan_generator_weight"),
     ({"algorithm.gan_discriminator_weight": -1.0}, "algorithm.gan_discriminator_weight"),
+    ({"algorithm.gan_sigma_max": 0.0}, "algorithm.gan_sigma_max"),
+    ({"algorithm.gan_sigma_max": 1.5}, "algorithm.gan_sigma_max"),
+    ({"algorithm.gan_head": "mlp"}, "algorithm.gan_head"),
     ({"algorithm.regression_weight": -0.5}, "algorithm.regression_weight"),
     ({"algorithm.regression_weight": 1.0}, "data.regression_pairs_path"),
     ({"algorithm": 5}, "algorithm"),
@@ -397,6 +400,8 @@ ALTERNATIVES = {
     "algorithm.backward_simulation": False,
     "algorithm.gan_generator_weight": 0.0,  # needs the discriminator weight: see test below
     "algorithm.gan_discriminator_weight": 0.01,
+    "algorithm.gan_sigma_max": 0.3,
+    "algorithm.gan_head": "pooled",
     "algorithm.regression_weight": 0.0,  # needs a data path: see test below
     "algorithm.fake_score_weighting": "edm",
     "model.adapter": "sd3",
@@ -508,6 +513,9 @@ for _role in ("student", "fake_score"):
 # Keys whose alternative must be set together with others to stay valid.
 COMPANIONS = {
     "data.name": {"data.path": "/data/emb"},  # the embeddings provider needs a path
+    # the GAN's head and levels are no difference while the GAN is off (GAN_ONLY_KEYS)
+    "algorithm.gan_head": {"algorithm.gan_discriminator_weight": 0.01},
+    "algorithm.gan_sigma_max": {"algorithm.gan_discriminator_weight": 0.01},
     "export.pipeline_source": {"export.formats": ["diffusers", "pipeline"]},
     "optim.student.scheduler.name": {"optim.student.scheduler.decay_steps": 100},
     "optim.student.scheduler.warmup_steps": {
@@ -682,12 +690,27 @@ def test_a_key_added_later_is_no_difference_at_the_value_it_replaced():
     the behaviour it had (uniform), and only under that; every other absent key is still a difference."""
     from verl_dmd.plan import ADDED_KEYS
 
-    plan = DistillationPlan.from_config(valid_config())
+    plan = DistillationPlan.from_config(with_overrides(ADDED_KEYS))
     stored = plan.semantic_dict()
     for dotted in ADDED_KEYS:
         section, key = dotted.split(".")
         del stored[section][key]
     assert plan.semantic_differences(stored) == []
-    other = DistillationPlan.from_config(with_overrides({"algorithm.fake_score_weighting": "edm"}))
-    assert other.semantic_differences(stored) == [("algorithm.fake_score_weighting", "<absent>", "edm")]
+    other = DistillationPlan.from_config(
+        with_overrides({**ADDED_KEYS, "algorithm.fake_score_weighting": "edm"})
+    )
+    # the difference names the value the checkpoint was written with, not <absent>
+    assert other.semantic_differences(stored) == [("algorithm.fake_score_weighting", "uniform", "edm")]
+    # the conv GAN head is the default now: a checkpoint without the GAN resumes under it, one with it does not
+    today = DistillationPlan.from_config(valid_config())
+    assert today.algorithm.gan_discriminator_weight == 0 and today.semantic_differences(stored) == []
+    gan = {"algorithm.gan_discriminator_weight": 0.01}
+    stored = DistillationPlan.from_config(with_overrides({**ADDED_KEYS, **gan})).semantic_dict()
+    for dotted in ADDED_KEYS:
+        section, key = dotted.split(".")
+        del stored[section][key]
+    today = DistillationPlan.from_config(with_overrides(gan))
+    assert today.semantic_differences(stored) == [("algorithm.gan_head", "pooled", "conv")]
+    at_old = DistillationPlan.from_config(with_overrides({**gan, "algorithm.gan_head": "pooled"}))
+    assert at_old.semantic_differences(stored) == []
     assert set(ADDED_KEYS) <= set(plan_keys()) and not any(_is_mutable(k) for k in ADDED_KEYS)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -148,6 +149,35 @@ class DistributionMatchingModelAdapter:
         """Width of those features (the transformer's inner dimension by default)."""
         config = model.config
         return int(config.num_attention_heads * config.attention_head_dim)
+
+    def gan_feature_grid(self, x_t: torch.Tensor, features: torch.Tensor) -> tuple[int, ...] | None:
+        """The grid the N image tokens of `features` (B, N, D) lie on, row-major: (rows, cols), or (frames, rows,
+        cols); the conv GAN head lays them out on it. By default from the model input `x_t`: packed tokens
+        (B, N, C) on a square grid; latents (B, C, H, W) or (B, C, F, H, W) cut into square patches (frames
+        not patched). None when that does not account for the N tokens (the head then refuses with one line);
+        a family whose blocks read otherwise overrides this."""
+        if features.ndim != 3:
+            return None
+        tokens = int(features.shape[1])
+        if x_t.ndim == 3:
+            side = math.isqrt(tokens)
+            return (side, side) if side * side == tokens else None
+        if x_t.ndim not in (4, 5):
+            return None
+        frames = int(x_t.shape[2]) if x_t.ndim == 5 else 1
+        height, width = int(x_t.shape[-2]), int(x_t.shape[-1])
+        if tokens % frames:
+            return None
+        patch = math.isqrt(height * width // (tokens // frames))
+        if (
+            patch < 1
+            or height % patch
+            or width % patch
+            or frames * (height // patch) * (width // patch) != tokens
+        ):
+            return None
+        grid = (height // patch, width // patch)
+        return (frames, *grid) if x_t.ndim == 5 else grid
 
     def predict_with_features(
         self, model: nn.Module, x_t: torch.Tensor, sigma: torch.Tensor, cond: Mapping[str, torch.Tensor]

@@ -24,11 +24,15 @@ is in `state_dict()`:
 2. per simulated step before the exit, the re-noising noise (local generator);
 3. in a student phase, the noise level per sample, then the noise ``eps`` (the GAN
    generator term reuses both); in a fake-score phase, the same two draws from the
-   fake-score range, then (with the GAN discriminator) the real data's noise.
+   fake-score range, then (with the GAN discriminator) the real data's noise. With
+   ``gan_sigma_max`` the GAN draws its own: in a student phase a level and a noise
+   after the DMD term's; in a fake-score phase a level and a noise for the fake
+   input, then a level and (as above) a noise for the real one.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -49,11 +53,10 @@ GAN_HEAD = "dmd_gan_head"
 
 
 class GanHead(nn.Module):
-    """DMD2's discriminator head on fake-score features: mean over tokens, norm, a 2-layer MLP, one logit.
+    """The pooled discriminator head (`algorithm.gan_head=pooled`): mean over tokens, norm, a 2-layer MLP, one logit.
 
-    It is a parameter group of the fake-score role (trained by the fake-score
-    optimizer); the computer declares it (`DMD2Computer.extra_modules`) and the role
-    engine attaches it to the model that holds the fake score.
+    It cannot see where things are in the image; on the digits it stays near chance
+    (docs/benchmarks.md, issue 21). Kept for checkpoints written before the conv head.
     """
 
     def __init__(self, dim: int) -> None:
@@ -61,11 +64,58 @@ class GanHead(nn.Module):
         self.norm = nn.LayerNorm(dim)
         self.mlp = nn.Sequential(nn.Linear(dim, dim), nn.SiLU(), nn.Linear(dim, 1))
 
-    def forward(self, features: torch.Tensor) -> torch.Tensor:
+    def forward(self, features: torch.Tensor, grid: tuple[int, ...] | None = None) -> torch.Tensor:
         """Logits of shape (B, 1) (not squeezed: FSDP2 warns about view outputs of its units)."""
         if features.ndim > 2:  # (B, tokens..., D): pool every token
             features = features.flatten(1, -2).mean(dim=1)
         return self.mlp(self.norm(features))
+
+
+class ConvGanHead(nn.Module):
+    """DMD2's convolutional discriminator head (`algorithm.gan_head=conv`) on fake-score features.
+
+    The image tokens (B, N, D) are normed, projected to ``width`` channels and laid
+    on their grid (rows, cols), or (frames, rows, cols) with frames folded into the
+    batch; two stride-2 3x3 convolutions (GroupNorm, SiLU) follow, then a mean over
+    what remains of the grid and a linear layer to one logit. It sees the layout
+    of the image, which a mean over tokens loses. A parameter group of the
+    fake-score role, as `GanHead`.
+    """
+
+    def __init__(self, dim: int, width: int | None = None) -> None:
+        super().__init__()
+        width = width or min(dim, 256)
+        groups = math.gcd(width, 8)
+        self.width = width
+        self.norm = nn.LayerNorm(dim)
+        self.proj = nn.Linear(dim, width)
+        self.down = nn.Sequential(
+            nn.Conv2d(width, width, 3, stride=2, padding=1),
+            nn.GroupNorm(groups, width),
+            nn.SiLU(),
+            nn.Conv2d(width, width, 3, stride=2, padding=1),
+            nn.GroupNorm(groups, width),
+            nn.SiLU(),
+        )
+        self.out = nn.Linear(width, 1)
+
+    def forward(self, features: torch.Tensor, grid: tuple[int, ...] | None = None) -> torch.Tensor:
+        """Logits of shape (B, 1) from features (B, N, D) whose N tokens lie row-major on `grid`."""
+        if grid is None or features.ndim != 3 or math.prod(grid) != features.shape[1]:
+            shape = tuple(features.shape)
+            raise ValueError(
+                f"the conv GAN head needs image tokens (B, N, D) on a grid of N tokens; got features {shape} "
+                f"and grid {grid}; fix: override the adapter's gan_feature_grid, or set algorithm.gan_head=pooled"
+            )
+        batch = features.shape[0]
+        *frames, rows, cols = grid
+        x = self.proj(self.norm(features))
+        x = x.reshape(batch * math.prod(frames), rows, cols, self.width).permute(0, 3, 1, 2)
+        x = self.down(x).mean(dim=(2, 3)).reshape(batch, -1, self.width).mean(dim=1)
+        return self.out(x)
+
+
+GAN_HEADS = {"pooled": GanHead, "conv": ConvGanHead}
 
 
 @register_method("dmd2")
@@ -130,10 +180,8 @@ class DMD2Computer:
         """The GAN head, when the discriminator term is on: a fake-score module on the fake score's model."""
         if self.algorithm.gan_discriminator_weight == 0:
             return ()
-        adapter = self.adapter
-        return (
-            ExtraModule(GAN_HEAD, Role.FAKE_SCORE, lambda model: GanHead(adapter.gan_feature_dim(model))),
-        )
+        adapter, head = self.adapter, GAN_HEADS[self.algorithm.gan_head]
+        return (ExtraModule(GAN_HEAD, Role.FAKE_SCORE, lambda model: head(adapter.gan_feature_dim(model))),)
 
     # ------------------------------------------------------------------ sampling
 
@@ -210,6 +258,9 @@ class DMD2Computer:
             "exit_index": float(exit_index),
         }
         if alg.gan_generator_weight > 0:
+            if alg.gan_sigma_max is not None:  # the GAN's own levels and noise, after the DMD term's draws
+                sigma = self._sigmas(x.shape[0], 0.0, alg.gan_sigma_max, x)
+                eps = draw_normal(x.shape, self.local, x)
             generator, grad_x = self._gan_generator_gradient(x.detach(), eps, sigma, cond, runtime)
             metrics["gan_generator_loss"] = generator
             # Like the DMD term, a surrogate whose gradient in x is dL_g/dx: the backward through the
@@ -223,13 +274,14 @@ class DMD2Computer:
         return PhaseOutput(loss=loss, metrics=metrics)
 
     def _gan_generator_gradient(self, x, eps, sigma, cond, runtime: PhaseRuntime):
-        """L_g = mean softplus(-D(x_t)) at the DMD term's noise level and eps, and dL_g/dx."""
+        """L_g = mean softplus(-D(x_t)) at the given level and eps (the DMD term's, or the GAN's own with
+        gan_sigma_max), and dL_g/dx."""
         x = x.requires_grad_(True)
         with runtime.use_role(Role.FAKE_SCORE) as fake, torch.enable_grad():
-            _, features = self.adapter.predict_with_features(
-                fake, self.adapter.add_noise(x, eps, sigma), sigma, cond
-            )
-            generator = losses.gan_generator_loss(runtime.extra_module(GAN_HEAD)(features))
+            x_t = self.adapter.add_noise(x, eps, sigma)
+            _, features = self.adapter.predict_with_features(fake, x_t, sigma, cond)
+            logits = runtime.extra_module(GAN_HEAD)(features, self.adapter.gan_feature_grid(x_t, features))
+            generator = losses.gan_generator_loss(logits)
             (grad_x,) = torch.autograd.grad(generator, x)
         return generator.detach(), grad_x
 
@@ -270,13 +322,24 @@ class DMD2Computer:
                 "batch has no real.x0; fix: use a data provider with real samples (digits has them), or set "
                 "the GAN weights to 0"
             )
-        prediction, fake_features = adapter.predict_with_features(fake, x_t, sigma, cond)
-        denoise = losses.fake_score_loss(prediction, adapter.prediction_target(x, eps, sigma), weight)
         x_real = real["x0"]
-        x_t_real = adapter.add_noise(x_real, draw_normal(x_real.shape, self.local, x_real), sigma)
-        _, real_features = adapter.predict_with_features(fake, x_t_real, sigma, prefixed(real, COND))
+        if alg.gan_sigma_max is None:  # the discriminator reads the denoising forward's features
+            prediction, fake_features = adapter.predict_with_features(fake, x_t, sigma, cond)
+            real_sigma, x_t_fake = sigma, x_t
+        else:  # its own levels: fake then real, each a level and a noise
+            prediction = adapter.predict(fake, x_t, sigma, cond)
+            gan_sigma = self._sigmas(x.shape[0], 0.0, alg.gan_sigma_max, x)
+            x_t_fake = adapter.add_noise(x, draw_normal(x.shape, self.local, x), gan_sigma)
+            _, fake_features = adapter.predict_with_features(fake, x_t_fake, gan_sigma, cond)
+            real_sigma = self._sigmas(x_real.shape[0], 0.0, alg.gan_sigma_max, x_real)
+        denoise = losses.fake_score_loss(prediction, adapter.prediction_target(x, eps, sigma), weight)
+        x_t_real = adapter.add_noise(x_real, draw_normal(x_real.shape, self.local, x_real), real_sigma)
+        _, real_features = adapter.predict_with_features(fake, x_t_real, real_sigma, prefixed(real, COND))
         head = runtime.extra_module(GAN_HEAD)
-        discriminator = losses.gan_discriminator_loss(head(fake_features), head(real_features))
+        discriminator = losses.gan_discriminator_loss(
+            head(fake_features, adapter.gan_feature_grid(x_t_fake, fake_features)),
+            head(real_features, adapter.gan_feature_grid(x_t_real, real_features)),
+        )
         loss = denoise + alg.gan_discriminator_weight * discriminator
         metrics = {"fake_loss": denoise.detach(), "gan_discriminator_loss": discriminator.detach()}
         return PhaseOutput(loss=loss, metrics=metrics)

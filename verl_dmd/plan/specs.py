@@ -60,7 +60,14 @@ TRACKING_BACKENDS = (
 # holding it resumes the checkpoint (DistillationPlan.semantic_differences); any other value is a difference.
 ADDED_KEYS: dict[str, Any] = {
     "algorithm.fake_score_weighting": "uniform",  # after commit 1018912: the loss was the velocity MSE
+    "algorithm.gan_sigma_max": None,  # issue 21: the GAN read the phases' noise levels
+    "algorithm.gan_head": "pooled",  # issue 21: the head pooled the tokens before its MLP
 }
+
+GAN_ONLY_KEYS: tuple[str, ...] = ("algorithm.gan_head", "algorithm.gan_sigma_max")
+"""Keys that change nothing while the GAN is off (``algorithm.gan_discriminator_weight`` 0, which the generator
+term needs): between two plans that both have it off they are no difference (a checkpoint without the GAN
+resumes whatever head and levels the plan names)."""
 
 MODEL_SOURCES = ("teacher", "student", "fake_score")
 """The roles whose model a plan names (``model.<role>``): by path, by config, or (student, fake score) not at
@@ -306,6 +313,14 @@ class AlgorithmSpec:
     gan_discriminator_weight: float = 0.0
     """Weight of the GAN discriminator term in fake-score phases (DMD2: 1e-2); > 0 adds a head on fake-score
     features, trained with the fake score, and needs real data from the data provider (batch keys real.*)."""
+    gan_sigma_max: float | None = None
+    """The GAN's own noise levels (diffusion GAN): uniform in [0, gan_sigma_max] (then sigma_shift), drawn
+    afresh for the discriminator's fake and real inputs and for the generator term; null: the discriminator
+    reads the fake-score phase's levels and the generator term the DMD term's."""
+    gan_head: Literal["conv", "pooled"] = "conv"
+    """The discriminator head: conv (the features' tokens on their grid, stride-2 convolutions, so it sees where
+    things are, as DMD2's convolutional heads) or pooled (mean over tokens first, then an MLP: the head before
+    issue 21, which measured near chance on digits; docs/dmd2.md)."""
     regression_weight: float = 0.0
     """Weight of the DMD v1 regression term on paired teacher data; needs data.regression_pairs_path."""
     fake_score_weighting: Literal["uniform", "dmd2_sd", "edm"] = "uniform"
@@ -369,6 +384,10 @@ class AlgorithmSpec:
                 low=0.0,
                 closed=True,
             )
+        if self.gan_sigma_max is not None and not (
+            math.isfinite(self.gan_sigma_max) and 0.0 < self.gan_sigma_max <= 1.0
+        ):
+            raise error(f"{key}.gan_sigma_max", self.gan_sigma_max, "must be a noise level in (0, 1] or null")
         if self.gan_generator_weight > 0 and self.gan_discriminator_weight == 0:
             raise error(
                 f"{key}.gan_generator_weight",
@@ -1034,9 +1053,10 @@ class DistillationPlan:
 
         `other_semantic` is another plan's `semantic_dict()` (e.g. from a
         checkpoint manifest); a key present on one side only shows as `<absent>`, except a key of
-        `ADDED_KEYS` that the other side lacks while this plan holds the value listed there (the
-        behaviour before the key existed). Keys that were semantic when `other_semantic` was written and are
-        resume-mutable now (`RESUME_MUTABLE_KEYS`) are no difference, except a model's path and subfolder
+        `ADDED_KEYS` that the other side lacks: it holds the value listed there (the behaviour before the key
+        existed), so it is no difference where this plan holds that value and shows it where not. The keys of
+        `GAN_ONLY_KEYS` are no difference when both plans have the GAN off. Keys that were semantic when
+        `other_semantic` was written and are resume-mutable now (`RESUME_MUTABLE_KEYS`) are no difference, except a model's path and subfolder
         where `other_semantic` has no ``content_sha256`` for it (written before models were identified by
         content, `LOCATION_KEYS`): they are compared as written, and the content is not.
         """
@@ -1051,11 +1071,17 @@ class DistillationPlan:
                 for name in ("path", "subfolder"):
                     key = f"model.{role}.{name}"
                     mine[key], theirs[key] = getattr(spec, name), written.get(key, absent)
+        for key, before in ADDED_KEYS.items():  # written before the key existed: the behaviour it had
+            if key not in theirs and key in mine:
+                theirs[key] = before
+        if all(side.get("algorithm.gan_discriminator_weight", 0) == 0 for side in (mine, theirs)):
+            for key in GAN_ONLY_KEYS:
+                mine.pop(key, None)
+                theirs.pop(key, None)
         return [
             (key, theirs.get(key, absent), mine.get(key, absent))
             for key in sorted(set(mine) | set(theirs))
             if theirs.get(key, absent) != mine.get(key, absent)
-            and not (key not in theirs and key in ADDED_KEYS and mine[key] == ADDED_KEYS[key])
         ]
 
 
