@@ -36,7 +36,9 @@ def test_a_checkpoint_of_the_previous_main_resumes_bit_for_bit(tmp_path, layout)
     tiny = (
         f"model.teacher.config={json.dumps(json.loads(FIXTURE.joinpath('teacher_config.json').read_text()))}"
     )
-    plan = compose_plan("digits_dmd2", [*overrides, tiny, f"trainer.output_dir={out}"])
+    # keys added since and recipe settings changed since, at what the old code and recipe had
+    later = FIXTURE.joinpath("later_overrides.txt").read_text().split()
+    plan = compose_plan("digits_dmd2", [*overrides, *later, tiny, f"trainer.output_dir={out}"])
     shutil.copytree(source / "global_step_1", out / "checkpoints" / "global_step_1")
     lines = []
     assert DistillationRayTrainer(plan, backend="local", log=lines.append).fit() == 0

@@ -177,7 +177,8 @@ def test_the_recorded_legacy_checkpoints_still_match_their_plans():
     tiny = json.dumps(json.loads((fixture / "teacher_config.json").read_text()))
     for layout in ("independent", "shared"):
         overrides = (fixture / layout / "overrides.txt").read_text().split()
-        plan = compose_plan("digits_dmd2", [*overrides, f"model.teacher.config={tiny}"])
+        later = (fixture / "later_overrides.txt").read_text().split()  # what changed since, at its old values
+        plan = compose_plan("digits_dmd2", [*overrides, *later, f"model.teacher.config={tiny}"])
         checkpoint = CheckpointStore.verify(fixture / layout / "global_step_1")
         assert "content_sha256" not in json.dumps(checkpoint.manifest["plan"]["model"])
         assert plan.fingerprint() != checkpoint.manifest["plan_fingerprint"]  # a new form: compared by keys
