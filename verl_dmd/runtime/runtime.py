@@ -23,6 +23,7 @@ from torch.profiler import record_function
 from verl_dmd import batch as batches
 from verl_dmd.phases import LossNormalizerTracker, PhaseComputer, PhaseOutput, PhaseRequest, Role
 from verl_dmd.runtime.engine import RoleEngine
+from verl_dmd.runtime.flops import PhaseFlops
 
 
 def _total_grad_norm(params: list[torch.nn.Parameter], device: torch.device, group=None) -> torch.Tensor:
@@ -92,6 +93,7 @@ class DistillationRoleRuntime:
         self.group = group
         self.plan = engine.plan
         self.view = ComputerView(self)
+        self.flops = PhaseFlops(engine)
 
     @property
     def world_size(self) -> int:
@@ -110,12 +112,15 @@ class DistillationRoleRuntime:
         """All micro-batches of one phase and at most one optimizer step of `request.role`."""
         started = time.perf_counter()
         role, engine = request.role, self.engine
+        if engine.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(engine.device)
         # The record_function ranges name the parts of a phase in a torch.profiler trace
         # (scripts/trace_gaps.py charges the device's idle time to them); a few us each otherwise.
         with record_function("verl_dmd.setup"):
             micro_batches, tracker, sums = self._prepare(role, batch)
         with engine.trainable(role), engine.use_role(role):
-            self._accumulate(request, micro_batches, tracker, sums)
+            with self.flops.recording():
+                self._accumulate(request, micro_batches, tracker, sums)
             engine.set_gradient_sync(True)
             engine.check_gradient_isolation(role)
             self._normalize(role, tracker)
@@ -128,7 +133,16 @@ class DistillationRoleRuntime:
                 engine.update_ema(request.global_step + 1)
         with record_function("verl_dmd.metrics"):
             metrics = self._metrics(role, sums, len(micro_batches), grad_norm, skipped_reason)
-            metrics["phase_seconds"] = time.perf_counter() - started
+            seconds = time.perf_counter() - started
+            metrics["phase_seconds"] = seconds
+        # This rank's share: the driver turns them into rates (verl_dmd.trainer.throughput).
+        metrics[f"perf/{role.value}/seconds"] = seconds
+        metrics[f"perf/{role.value}/samples"] = sum(batches.batch_size(m) for m in micro_batches)
+        flops = self.flops.phase_flops()
+        if flops is not None:
+            metrics[f"perf/{role.value}/flops"] = flops
+        if engine.device.type == "cuda":
+            metrics[f"perf/{role.value}/peak_gib"] = torch.cuda.max_memory_allocated(engine.device) / 2**30
         return metrics
 
     def _prepare(self, role: Role, batch: Mapping[str, Any]):

@@ -194,38 +194,148 @@ _T5_MAX_LENGTH = 512
 _QWEN_MAX_LENGTH = 32768
 
 
-def build_pipeline(
-    family: str, directory: str | Path, *, seed: int = 0, guidance_embeds: bool = False
-) -> Path:
-    """Write a tiny `family` pipeline, random weights drawn from `seed`, to `directory` and return it.
+# ---- Full size ---------------------------------------------------------------------------------------
+# The released architectures' shapes (random weights): SD3-medium (2B MMDiT, CLIP-L, CLIP-G, T5-XXL),
+# FLUX.1-dev (12B, CLIP-L, T5-XXL), Qwen-Image (20B MMDiT, Qwen2.5-VL-7B), Wan 2.1 T2V 1.3B (umT5-XXL).
+# The tokenizers stay the small ones built here; the text encoders keep the released vocabulary sizes
+# (ids past the small tokenizer's are never used), so every component has its released parameter count.
+_FULL_CLIP_L = {
+    "hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 12,
+    "max_position_embeddings": 77, "projection_dim": 768, "hidden_act": "quick_gelu", "vocab_size": 49408,
+}  # fmt: skip
+_FULL_CLIP_G = {
+    "hidden_size": 1280, "intermediate_size": 5120, "num_hidden_layers": 32, "num_attention_heads": 20,
+    "max_position_embeddings": 77, "projection_dim": 1280, "hidden_act": "gelu", "vocab_size": 49408,
+}  # fmt: skip
+_FULL_T5_XXL = {
+    "d_model": 4096, "d_kv": 64, "d_ff": 10240, "num_layers": 24, "num_heads": 64,
+    "relative_attention_num_buckets": 32, "feed_forward_proj": "gated-gelu", "vocab_size": 32128,
+}  # fmt: skip
+_FULL_KL_VAE = {
+    "in_channels": 3, "out_channels": 3, "latent_channels": 16, "block_out_channels": [128, 256, 512, 512],
+    "down_block_types": ["DownEncoderBlock2D"] * 4, "up_block_types": ["UpDecoderBlock2D"] * 4,
+    "layers_per_block": 2, "norm_num_groups": 32, "sample_size": 1024, "use_quant_conv": False,
+    "use_post_quant_conv": False,
+}  # fmt: skip
+_FULL_WAN_VAE = {
+    "base_dim": 96, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2,
+    "temperal_downsample": [False, True, True],
+}  # fmt: skip
+_FULL_QWEN_TEXT = {
+    "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+    "num_key_value_heads": 4, "max_position_embeddings": 128000, "rope_theta": 1000000.0,
+    "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}, "vocab_size": 152064,
+}  # fmt: skip
+_FULL_QWEN_VISION = {
+    "depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16, "out_hidden_size": 3584,
+    "fullatt_block_indexes": [7, 15, 23, 31],
+}  # fmt: skip
+FULL_CONFIGS: dict[str, dict[str, dict[str, Any]]] = {
+    "sd3": {
+        "transformer": {
+            "sample_size": 128, "patch_size": 2, "in_channels": 16, "out_channels": 16, "num_layers": 24,
+            "attention_head_dim": 64, "num_attention_heads": 24, "joint_attention_dim": 4096,
+            "caption_projection_dim": 1536, "pooled_projection_dim": 2048, "pos_embed_max_size": 192,
+        },
+        "vae": {**_FULL_KL_VAE, "scaling_factor": 1.5305, "shift_factor": 0.0609},
+        "clip_l": _FULL_CLIP_L, "clip_g": _FULL_CLIP_G, "t5": _FULL_T5_XXL,
+    },
+    "flux": {
+        "transformer": {
+            "patch_size": 1, "in_channels": 64, "num_layers": 19, "num_single_layers": 38,
+            "attention_head_dim": 128, "num_attention_heads": 24, "joint_attention_dim": 4096,
+            "pooled_projection_dim": 768, "axes_dims_rope": [16, 56, 56],
+        },
+        "vae": {**_FULL_KL_VAE, "scaling_factor": 0.3611, "shift_factor": 0.1159},
+        "clip_l": {k: v for k, v in _FULL_CLIP_L.items() if k != "projection_dim"}, "t5": _FULL_T5_XXL,
+    },
+    "qwen_image": {
+        "transformer": {
+            "patch_size": 2, "in_channels": 64, "out_channels": 16, "num_layers": 60, "attention_head_dim": 128,
+            "num_attention_heads": 24, "joint_attention_dim": 3584, "axes_dims_rope": [16, 56, 56],
+        },
+        "vae": _FULL_WAN_VAE, "text": _FULL_QWEN_TEXT, "vision": _FULL_QWEN_VISION,
+    },
+    "wan": {
+        "transformer": {
+            "patch_size": [1, 2, 2], "num_attention_heads": 12, "attention_head_dim": 128, "in_channels": 16,
+            "out_channels": 16, "text_dim": 4096, "freq_dim": 256, "ffn_dim": 8960, "num_layers": 30,
+            "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads", "rope_max_seq_len": 1024,
+        },
+        "vae": {**_FULL_WAN_VAE, "scale_factor_temporal": 4, "scale_factor_spatial": 8},
+        "t5": {**_FULL_T5_XXL, "vocab_size": 256384},
+    },
+}  # fmt: skip
+TINY_CONFIGS: dict[str, dict[str, dict[str, Any]]] = {
+    "sd3": {"transformer": _SD3_TRANSFORMER, "vae": _SD3_VAE, "clip_l": _SD3_CLIP_L, "clip_g": _SD3_CLIP_G,
+            "t5": _SD3_T5},
+    "flux": {"transformer": _FLUX_TRANSFORMER, "vae": _FLUX_VAE, "clip_l": _FLUX_CLIP, "t5": _FLUX_T5},
+    "qwen_image": {"transformer": _QWEN_TRANSFORMER, "vae": _QWEN_VAE, "text": _QWEN_TEXT, "vision": _QWEN_VISION},
+    "wan": {"transformer": _WAN_TRANSFORMER, "vae": _WAN_VAE, "t5": _WAN_UMT5},
+}  # fmt: skip
 
-    `guidance_embeds` (flux only) gives a FLUX.1-dev-like transformer that takes a guidance
-    scale; without it, a FLUX.1-schnell-like one. The same seed gives byte-identical weight files.
+
+def build_pipeline(
+    family: str,
+    directory: str | Path,
+    *,
+    seed: int = 0,
+    guidance_embeds: bool = False,
+    size: str = "tiny",
+    layers: int | None = None,
+    device: str = "cpu",
+) -> Path:
+    """Write a `family` pipeline, random weights drawn from `seed`, to `directory` and return it.
+
+    `size` "tiny" (the default: each component a few hundred thousand parameters, built in seconds on a
+    CPU) or "full" (the released architectures' shapes, `FULL_CONFIGS`: billions of parameters, saved in
+    bfloat16 except the VAE; build with device="cuda" where there is one). `layers` replaces the
+    transformer's block count (Flux: its double blocks, the single blocks scaled alike), for a full-size
+    family that does not fit a machine. `guidance_embeds` (flux only) gives a FLUX.1-dev-like transformer
+    that takes a guidance scale; without it, a FLUX.1-schnell-like one. The same arguments give
+    byte-identical weight files on one device.
     """
     if family not in FAMILIES:
         raise ValueError(f"unknown pipeline family {family!r}; allowed: {', '.join(FAMILIES)}")
     if guidance_embeds and family != "flux":
         raise ValueError(f"guidance_embeds applies to flux only, not {family!r}")
+    if size not in ("tiny", "full"):
+        raise ValueError(f"pipeline size {size!r}: allowed tiny or full")
+    if layers is not None and layers < 1:
+        raise ValueError(f"layers {layers!r}: at least 1")
     import torch
 
     directory = Path(directory)
+    configs = {k: dict(v) for k, v in (FULL_CONFIGS if size == "full" else TINY_CONFIGS)[family].items()}
+    if layers is not None:
+        transformer = configs["transformer"]
+        if family == "flux":
+            transformer["num_single_layers"] = max(
+                1, round(layers * transformer["num_single_layers"] / transformer["num_layers"])
+            )
+        transformer["num_layers"] = layers
     # Modules draw their initial weights from torch's global RNG; forking it keeps the caller's stream
     # untouched, and seeding it makes every build of this family and seed identical.
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[torch.device(device)] if device != "cpu" else []):
         torch.manual_seed(seed)
-        if family == "sd3":
-            pipe = _sd3()
-        elif family == "flux":
-            pipe = _flux(guidance_embeds)
-        elif family == "qwen_image":
-            pipe = _qwen_image()
-        else:
-            pipe = _wan()
+        with torch.device(device):
+            if family == "sd3":
+                pipe = _sd3(configs)
+            elif family == "flux":
+                pipe = _flux(configs, guidance_embeds)
+            elif family == "qwen_image":
+                pipe = _qwen_image(configs)
+            else:
+                pipe = _wan(configs)
+    if size == "full":  # as the released pipelines ship: bf16 weights, the VAE in float32
+        for name, component in pipe.components.items():
+            if isinstance(component, torch.nn.Module) and name != "vae":
+                component.to(torch.bfloat16)
     pipe.save_pretrained(directory, safe_serialization=True)
     return directory
 
 
-def _sd3():
+def _sd3(c: dict[str, dict[str, Any]]):
     from diffusers import (
         AutoencoderKL,
         FlowMatchEulerDiscreteScheduler,
@@ -236,35 +346,35 @@ def _sd3():
 
     tokenizer, tokenizer_2, tokenizer_3 = _clip_tokenizer(), _clip_tokenizer(), _t5_tokenizer()
     return StableDiffusion3Pipeline(
-        transformer=SD3Transformer2DModel(**_SD3_TRANSFORMER),
+        transformer=SD3Transformer2DModel(**c["transformer"]),
         scheduler=FlowMatchEulerDiscreteScheduler(**_SD3_SCHEDULER),
-        vae=AutoencoderKL(**_SD3_VAE),
-        text_encoder=CLIPTextModelWithProjection(_clip_config(_SD3_CLIP_L, tokenizer)),
+        vae=AutoencoderKL(**c["vae"]),
+        text_encoder=CLIPTextModelWithProjection(_clip_config(c["clip_l"], tokenizer)),
         tokenizer=tokenizer,
-        text_encoder_2=CLIPTextModelWithProjection(_clip_config(_SD3_CLIP_G, tokenizer_2)),
+        text_encoder_2=CLIPTextModelWithProjection(_clip_config(c["clip_g"], tokenizer_2)),
         tokenizer_2=tokenizer_2,
-        text_encoder_3=_t5_encoder(_SD3_T5, tokenizer_3),
+        text_encoder_3=_t5_encoder(c["t5"], tokenizer_3),
         tokenizer_3=tokenizer_3,
     )
 
 
-def _flux(guidance_embeds: bool):
+def _flux(c: dict[str, dict[str, Any]], guidance_embeds: bool):
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
     from transformers import CLIPTextModel
 
     tokenizer, tokenizer_2 = _clip_tokenizer(), _t5_tokenizer()
     return FluxPipeline(
-        transformer=FluxTransformer2DModel(**_FLUX_TRANSFORMER, guidance_embeds=guidance_embeds),
+        transformer=FluxTransformer2DModel(**c["transformer"], guidance_embeds=guidance_embeds),
         scheduler=FlowMatchEulerDiscreteScheduler(**_FLUX_SCHEDULER),
-        vae=AutoencoderKL(**_FLUX_VAE),
-        text_encoder=CLIPTextModel(_clip_config(_FLUX_CLIP, tokenizer)),
+        vae=AutoencoderKL(**c["vae"]),
+        text_encoder=CLIPTextModel(_clip_config(c["clip_l"], tokenizer)),
         tokenizer=tokenizer,
-        text_encoder_2=_t5_encoder(_FLUX_T5, tokenizer_2),
+        text_encoder_2=_t5_encoder(c["t5"], tokenizer_2),
         tokenizer_2=tokenizer_2,
     )
 
 
-def _qwen_image():
+def _qwen_image(c: dict[str, dict[str, Any]]):
     from diffusers import (
         AutoencoderKLQwenImage,
         FlowMatchEulerDiscreteScheduler,
@@ -277,21 +387,21 @@ def _qwen_image():
     ids = tokenizer.convert_tokens_to_ids
     config = Qwen2_5_VLConfig(
         text_config={
-            **_QWEN_TEXT,
-            "vocab_size": len(tokenizer),
+            **c["text"],
+            "vocab_size": max(len(tokenizer), c["text"].get("vocab_size", 0)),
             "bos_token_id": ids("<|endoftext|>"),
             "eos_token_id": ids("<|im_end|>"),
         },
-        vision_config=_QWEN_VISION,
+        vision_config=c["vision"],
         image_token_id=ids("<|image_pad|>"),
         video_token_id=ids("<|video_pad|>"),
         vision_start_token_id=ids("<|vision_start|>"),
         vision_end_token_id=ids("<|vision_end|>"),
     )
     pipe = QwenImagePipeline(
-        transformer=QwenImageTransformer2DModel(**_QWEN_TRANSFORMER),
+        transformer=QwenImageTransformer2DModel(**c["transformer"]),
         scheduler=FlowMatchEulerDiscreteScheduler(**_QWEN_SCHEDULER),
-        vae=AutoencoderKLQwenImage(**_QWEN_VAE),
+        vae=AutoencoderKLQwenImage(**c["vae"]),
         text_encoder=Qwen2_5_VLForConditionalGeneration(config),
         tokenizer=tokenizer,
     )
@@ -309,16 +419,16 @@ def _qwen_image():
     return pipe
 
 
-def _wan():
+def _wan(c: dict[str, dict[str, Any]]):
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
     tokenizer = _t5_tokenizer()
     return WanPipeline(
-        transformer=WanTransformer3DModel(**_WAN_TRANSFORMER),
+        transformer=WanTransformer3DModel(**c["transformer"]),
         scheduler=UniPCMultistepScheduler(**_WAN_SCHEDULER),
-        vae=AutoencoderKLWan(**_WAN_VAE),
-        text_encoder=UMT5EncoderModel(UMT5Config(**_WAN_UMT5, **_t5_token_ids(tokenizer))),
+        vae=AutoencoderKLWan(**c["vae"]),
+        text_encoder=UMT5EncoderModel(UMT5Config(**_t5_settings(c["t5"], tokenizer))),
         tokenizer=tokenizer,
     )
 
@@ -331,8 +441,8 @@ def _clip_config(config: dict[str, Any], tokenizer: Any) -> Any:
 
     # CLIP pools at the end-of-text token, which it finds by id.
     return CLIPTextConfig(
-        **config,
-        vocab_size=len(tokenizer),
+        **{k: v for k, v in config.items() if k != "vocab_size"},
+        vocab_size=max(len(tokenizer), config.get("vocab_size", 0)),
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -348,10 +458,17 @@ def _t5_token_ids(tokenizer: Any) -> dict[str, int]:
     }
 
 
+def _t5_settings(config: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
+    """The T5 config's settings with the tokenizer's special ids; the vocabulary at least the tokenizer's."""
+    ids = _t5_token_ids(tokenizer)
+    ids["vocab_size"] = max(ids["vocab_size"], config.get("vocab_size", 0))
+    return {**{k: v for k, v in config.items() if k != "vocab_size"}, **ids}
+
+
 def _t5_encoder(config: dict[str, Any], tokenizer: Any) -> Any:
     from transformers import T5Config, T5EncoderModel
 
-    return T5EncoderModel(T5Config(**config, **_t5_token_ids(tokenizer)))
+    return T5EncoderModel(T5Config(**_t5_settings(config, tokenizer)))
 
 
 # ---- Tokenizers ----------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from typing import Any
 from verl_dmd.batch import BatchError
 from verl_dmd.controller import DistillationController, TooManySkipsError
 from verl_dmd.phases import PhaseRequest, Role
+from verl_dmd.trainer import throughput
 from verl_dmd.trainer.registry import DATA_PROVIDERS, VALIDATORS, ValidatorUnavailable, validator_name
 
 EXIT_SIGNALLED = 128
@@ -85,7 +86,16 @@ class _Progress:
         }
         if self.bar is not None:
             self.bar.n = step
-            self.bar.set_postfix(phase=phase, **{k: f"{v:.4f}" for k, v in losses.items()}, refresh=False)
+            extra = (
+                {"TFLOP/s": f"{metrics['perf/cycle/tflop_per_s']:.3g}"}
+                if "perf/cycle/tflop_per_s" in metrics
+                else {}
+            )
+            if "perf/cycle/mfu" in metrics:
+                extra["MFU"] = f"{metrics['perf/cycle/mfu']:.1%}"
+            self.bar.set_postfix(
+                phase=phase, **{k: f"{v:.4f}" for k, v in losses.items()}, **extra, refresh=False
+            )
             self.bar.refresh()
             return
         if step % self.every and step != self.total:
@@ -95,8 +105,10 @@ class _Progress:
         rate = done / elapsed if elapsed > 0 and done > 0 else float("nan")
         eta = (self.total - step) / rate if rate == rate and rate > 0 else float("nan")
         shown = "  ".join(f"{k} {v:.4f}" for k, v in losses.items())
+        perf = throughput.describe(metrics)
         self.log(
             f"step {step:6d}/{self.total}  {shown}  {rate:6.2f} steps/s  elapsed {elapsed:6.1f}s  eta {eta:6.1f}s"
+            + (f"  {perf}" if perf else "")
         )
 
     def close(self) -> None:
@@ -126,6 +138,7 @@ class Checkpoints:
 
     def resume(self, controller, provider) -> None:
         """Load `checkpoint.resume` into the workers and the driver's controller and provider (if any)."""
+        started = time.perf_counter()
         loaded = self.group.load_checkpoint()
         if loaded is None:
             return
@@ -138,7 +151,8 @@ class Checkpoints:
         note = ""
         if loaded["saved_world_size"] != self.group.world_size:  # the ranks that run (one with --local)
             note = f" (saved by {loaded['saved_world_size']} worker(s): random streams re-seeded)"
-        self.log(f"resumed from {loaded['path']} at global step {loaded['global_step']}{note}")
+        self.log(f"resumed from {loaded['path']} at global step {loaded['global_step']}{note} "
+                 f"({time.perf_counter() - started:.1f} s)")  # fmt: skip
 
     def save(self, controller, provider) -> str:
         """Publish a checkpoint of the current state, unless the newest one is of the same global step.
@@ -379,6 +393,20 @@ class DistillationRayTrainer:
         self.group = self._start_group()
         info = self.group.init_model()[0]
         self.log(f"workers ready on {info.device} in {time.perf_counter() - started:.1f} s")
+        self.throughput = throughput.Throughput(
+            self.group.world_size, info.matmul_flops_per_s, info.datasheet[1] if info.datasheet else None
+        )
+        if info.matmul_flops_per_s or info.datasheet:
+            named = (
+                [f"measured bf16 matmul rate {info.matmul_flops_per_s / 1e12:.0f} TFLOP/s"]
+                if (info.matmul_flops_per_s)
+                else []
+            )
+            if info.datasheet:
+                named.append(
+                    f"{info.datasheet[0]} datasheet dense bf16 {info.datasheet[1] / 1e12:.1f} TFLOP/s"
+                )
+            self.log("MFU (perf/*/mfu, perf/*/mfu_datasheet) against: " + "; ".join(named))
         try:
             provider = build_data_provider(plan, self.group, info, self.log)
         except ValueError as err:  # user input the provider reads (data files, pairs): one line
@@ -430,6 +458,7 @@ class DistillationRayTrainer:
         except BatchError as err:  # the provider's batch does not split over the ranks: user data
             raise TrainerError(f"data provider {self.plan.data.name!r}: {err}") from None
         controller.record(role, stepped=metrics["stepped"])
+        metrics.update(self.throughput.phase(role.value, metrics))
         return metrics
 
 

@@ -45,6 +45,10 @@ class WorkerInfo:
     parameter_bytes: dict[str, int]
     sigma_max: float
     """The model adapter's highest noise level (sampling schedules start there)."""
+    matmul_flops_per_s: float | None = None
+    """The bf16 matmul rate measured on the device at start (CUDA only): MFU's practical denominator."""
+    datasheet: tuple[str, float] | None = None
+    """(device name, dense bf16 FLOP/s of its datasheet) for known GPUs: MFU's datasheet denominator."""
 
 
 class RankSession:
@@ -77,13 +81,19 @@ class RankSession:
 
     def describe(self) -> WorkerInfo:
         """What the driver needs to know about the model."""
+        from verl_dmd.runtime.flops import datasheet_rate, measure_matmul_rate
+
         teacher = self.engine.module_for(Role.TEACHER)
+        if not hasattr(self, "_matmul_rate"):  # 2 s of matmuls, once
+            self._matmul_rate = measure_matmul_rate(self.engine.device, seconds=2.0)
         return WorkerInfo(
             rank=self.rank,
             device=str(self.engine.device),
             null_class=self.adapter.null_class(teacher),
             parameter_bytes=self.engine.parameter_bytes(),
             sigma_max=float(self.adapter.sigma_max),
+            matmul_flops_per_s=self._matmul_rate,
+            datasheet=datasheet_rate(self.engine.device),
         )
 
     def run_phase(self, request: PhaseRequest, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
