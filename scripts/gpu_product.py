@@ -180,9 +180,7 @@ def serve(
     steps, guidance = block["num_inference_steps"], block["guidance_scale"]
     started = time.perf_counter()
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    pipe = DiffusionPipeline.from_pretrained(str(pipeline), dtype=dtype, local_files_only=True).to(
-        device
-    )
+    pipe = DiffusionPipeline.from_pretrained(str(pipeline), dtype=dtype, local_files_only=True).to(device)
     pipe.set_progress_bar_config(disable=True)
     load_s = time.perf_counter() - started
     unshifted = list(np.linspace(1.0, 1.0 / steps, steps))
