@@ -88,12 +88,15 @@ def _tensor_signature(value: Any) -> Any:
 
 
 def _meta_value(signature: Any) -> Any:
+    """A meta tensor (or value) of a signature; floating tensors in float32, the meta copy's dtype (the
+    count does not depend on it; the live call's inputs are in the compute dtype of mixed precision)."""
     kind = signature[0]
     if kind == "tensor":
         _, shape, dtype, requires_grad = signature
         dtype = getattr(torch, dtype.removeprefix("torch."))
-        tensor = torch.zeros(shape, dtype=dtype, device="meta")
-        return tensor.requires_grad_(requires_grad) if dtype.is_floating_point else tensor
+        if dtype.is_floating_point:
+            return torch.zeros(shape, dtype=torch.float32, device="meta").requires_grad_(requires_grad)
+        return torch.zeros(shape, dtype=dtype, device="meta")
     if kind == "value":
         return signature[1]
     if kind in ("list", "tuple"):
@@ -210,7 +213,7 @@ class PhaseFlops:
             )
             return None
         with torch.device("meta"):
-            model = model_class.from_config(config)
+            model = model_class.from_config(config).float()
             if lora is not None:
                 from verl_dmd.runtime import lora as lora_tools
 

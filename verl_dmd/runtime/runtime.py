@@ -141,6 +141,8 @@ class DistillationRoleRuntime:
         flops = self.flops.phase_flops()
         if flops is not None:
             metrics[f"perf/{role.value}/flops"] = flops
+        elif self.flops.unpriced:
+            metrics["perf/unpriced"] = self.flops.unpriced
         if engine.device.type == "cuda":
             metrics[f"perf/{role.value}/peak_gib"] = torch.cuda.max_memory_allocated(engine.device) / 2**30
         return metrics

@@ -393,6 +393,7 @@ class DistillationRayTrainer:
         self.group = self._start_group()
         info = self.group.init_model()[0]
         self.log(f"workers ready on {info.device} in {time.perf_counter() - started:.1f} s")
+        self._unpriced_noted = False
         self.throughput = throughput.Throughput(
             self.group.world_size, info.matmul_flops_per_s, info.datasheet[1] if info.datasheet else None
         )
@@ -459,6 +460,9 @@ class DistillationRayTrainer:
             raise TrainerError(f"data provider {self.plan.data.name!r}: {err}") from None
         controller.record(role, stepped=metrics["stepped"])
         metrics.update(self.throughput.phase(role.value, metrics))
+        if metrics.get("perf/unpriced") and not self._unpriced_noted:
+            self._unpriced_noted = True
+            self.log(f"note: model FLOPs are not counted (no TFLOP/s, no MFU): {metrics['perf/unpriced']}")
         return metrics
 
 

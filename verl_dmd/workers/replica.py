@@ -37,6 +37,21 @@ class ReplicaError(ValueError):
     """A sync or request the replica refuses; the message is one line."""
 
 
+def _cast_floating_inputs(dtype: torch.dtype):
+    """A forward pre-hook casting floating tensor arguments to `dtype`, as FSDP2's mixed precision casts a
+    training role's inputs to its param dtype (the replica's modules are plain modules in that dtype)."""
+
+    def cast(value):
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != dtype:
+            return value.to(dtype)
+        return value
+
+    def hook(module, args, kwargs):
+        return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
+
+    return hook
+
+
 class InferenceReplica:
     """A pipeline directory loaded once by diffusers (`pipeline_dir`), for the model adapter `adapter`."""
 
@@ -55,6 +70,10 @@ class InferenceReplica:
         }
         for module in self.components.values():
             module.to(self.device).eval().requires_grad_(False)
+            if (
+                dtype != torch.float32
+            ):  # float32 latents and levels in, as the training engine's roles take them
+                module.register_forward_pre_hook(_cast_floating_inputs(dtype), with_kwargs=True)
         self._completed: dict[str, int] = dict.fromkeys(self.components, 0)
         self.versions: dict[str, int | None] = dict(self._completed)
         """Per component: the number of completed syncs, or None while a failed one left it incomplete."""
