@@ -161,8 +161,28 @@ def compare_checkpoints(a: Path, b: Path) -> dict:
     names_a = sorted(p.relative_to(a).as_posix() for p in a.rglob("*") if p.is_file())
     names_b = sorted(p.relative_to(b).as_posix() for p in b.rglob("*") if p.is_file())
     differing = [n for n in names_a if n in names_b and (a / n).read_bytes() != (b / n).read_bytes()]
-    return {"files": len(names_a), "same_names": names_a == names_b, "differing": differing,
-            "bitwise_equal": names_a == names_b and not differing}  # fmt: skip
+    result = {"files": len(names_a), "same_names": names_a == names_b, "differing": differing,
+              "bitwise_equal": names_a == names_b and not differing}  # fmt: skip
+    if any(n.startswith("engine/") for n in differing):  # which tensors differ, and by how much
+        from verl_dmd.checkpoint.export import read_role_tensors
+        from verl_dmd.runtime.naming import RoleTensors
+
+        every = RoleTensors(prefix="", adapter=None, model_name="")
+        ta, tb = read_role_tensors(a / "engine", every), read_role_tensors(b / "engine", every)
+        diffs = {}
+        for key in sorted(ta):
+            x, y = ta[key], tb.get(key)
+            if y is None or not x.is_floating_point() or x.shape != y.shape:
+                continue
+            if not (x == y).all():
+                err = (x.double() - y.double()).abs().max().item()
+                scale = x.double().abs().max().item()
+                diffs[key] = {"max_abs": err, "max_rel": err / scale if scale else float("inf"),
+                              "elements_differing": int((x != y).sum())}  # fmt: skip
+        result["tensors"] = len(ta)
+        result["tensors_differing"] = len(diffs)
+        result["largest"] = dict(sorted(diffs.items(), key=lambda kv: -kv[1]["max_rel"])[:8])
+    return result
 
 
 def serve(
@@ -341,7 +361,8 @@ def main() -> int:
             if code2 != 0:
                 log(f"the resumed run failed ({code2}); log: {work / 'train_resumed.log'}")
                 return 1
-            shutil.rmtree(stopped / "checkpoints", ignore_errors=True)  # disk: compared, no longer needed
+            if figures.get("comparison", {}).get("bitwise_equal"):  # disk: compared, no longer needed
+                shutil.rmtree(stopped / "checkpoints", ignore_errors=True)
 
         export_dir = work / "export"
         if "export" in stages:

@@ -458,6 +458,7 @@ ALTERNATIVES = {
     "resources.workers_per_node": 8,
     "resources.sleep_between_phases": True,
     "resources.offload_packing": False,
+    "resources.deterministic": True,
     "checkpoint.root": "/ckpt",
     "checkpoint.save_every": 50,
     "checkpoint.keep_last": 0,

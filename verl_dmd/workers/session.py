@@ -66,6 +66,8 @@ class RankSession:
         from verl_dmd.runtime.runtime import DistillationRoleRuntime
 
         seeding.seed_host_generators(plan.trainer.seed, rank)
+        if plan.resources.deterministic:
+            seeding.use_deterministic_kernels()
         self.plan = plan
         self.rank, self.world_size = rank, world_size
         self.adapter = get_adapter(plan.model.adapter)()
