@@ -62,3 +62,28 @@ def test_identical_runs_write_identical_checkpoints_and_a_moved_run_resumes_bit_
     a, b = (files_of(run / "checkpoints" / "global_step_4") for run in (first, moved))
     assert sorted(a) == sorted(b)
     assert [name for name in a if a[name] != b[name]] == []
+
+
+def test_resources_deterministic_sets_the_kernels_before_any_model(tmp_path):
+    """resources.deterministic: the worker's session turns on torch's deterministic algorithms (warn-only),
+    cuDNN's deterministic mode without autotuning and cuBLAS's fixed workspace, before building its models."""
+    code = (
+        "import os, torch\n"
+        "from verl_dmd.main import compose_plan\n"
+        "from verl_dmd.workers.session import RankSession\n"
+        "os.environ.pop('CUBLAS_WORKSPACE_CONFIG', None)\n"
+        "plan = compose_plan('digits_dmd2', ['resources.deterministic=true', 'resources.device=cpu',\n"
+        f"    'trainer.output_dir={tmp_path}'])\n"
+        "assert not torch.are_deterministic_algorithms_enabled()\n"
+        "import torch.distributed as dist\n"
+        "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
+        "RankSession(plan, rank=0, world_size=1)\n"
+        "print(torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),\n"
+        "      torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,\n"
+        "      os.environ['CUBLAS_WORKSPACE_CONFIG'])\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split()[-5:] == ["True", "True", "True", "False", ":4096:8"], result.stdout

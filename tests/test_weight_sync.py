@@ -187,3 +187,29 @@ def test_a_sync_that_fails_on_rank_0_leaves_no_rank_waiting(pipeline, tmp_path):
     result = run_ranks(failing_sync_scenario, 2, tmp_path / "run", str(pipeline), str(tmp_path / "out"))[0]
     assert result["failed"] == "disk full (injected)" and result["incomplete"] is None
     assert result["active"] is None and result["done"]["versions"] == {"transformer": 1}
+
+
+def test_a_bf16_replica_takes_float32_latents_as_the_engine_does(pipeline):
+    """A replica in bf16 (the recipes' param dtype) samples from float32 noise and levels: its modules cast
+    floating inputs to their dtype, as FSDP's mixed precision does for the training roles (the first
+    full-size GPU run failed here with "Input type (float) and bias type (BFloat16)")."""
+    from verl_dmd.adapters import get_adapter
+    from verl_dmd.algorithms.sampling import renoise_draws
+    from verl_dmd.workers.replica import InferenceReplica
+
+    adapter = get_adapter("sd3")()
+    replicas = {
+        dtype: InferenceReplica(pipeline, adapter, dtype=dtype) for dtype in (torch.bfloat16, torch.float32)
+    }
+    generator = torch.Generator().manual_seed(3)
+    noise = torch.randn((2, 16, 4, 4), generator=generator)
+    cond = {"encoder_hidden_states": torch.randn((2, 5, 32), generator=generator),
+            "pooled_projections": torch.randn((2, 24), generator=generator)}  # fmt: skip
+    schedule = [1.0, 0.5, 0.0]
+    draws = renoise_draws(noise.shape, 2, generator)
+    low = replicas[torch.bfloat16].few_step(noise, cond, schedule, draws)
+    high = replicas[torch.float32].few_step(noise, cond, schedule, draws)
+    assert low.shape == noise.shape and torch.isfinite(low).all()
+    # bf16 arithmetic, the same sampler: close to float32, not equal (the cast is real)
+    error = float((low.float() - high).abs().max() / high.abs().max())
+    assert 0 < error < 0.05, error

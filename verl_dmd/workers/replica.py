@@ -70,9 +70,8 @@ class InferenceReplica:
         }
         for module in self.components.values():
             module.to(self.device).eval().requires_grad_(False)
-            if (
-                dtype != torch.float32
-            ):  # float32 latents and levels in, as the training engine's roles take them
+            # float32 latents and levels in, as the training engine's roles take them
+            if dtype != torch.float32:
                 module.register_forward_pre_hook(_cast_floating_inputs(dtype), with_kwargs=True)
         self._completed: dict[str, int] = dict.fromkeys(self.components, 0)
         self.versions: dict[str, int | None] = dict(self._completed)
