@@ -1,0 +1,231 @@
+"""bf16 LoRA gradients of each family's transformer against a float32 reference, per attention kernel.
+
+For each family, a transformer with the released block shapes (head dim 128 for Flux, Qwen-Image and
+Wan; 64 for SD3) and few blocks (`--layers`) gets a LoRA adapter on the family's default targets (both
+factors random, so every LoRA gradient is non-zero), and one flow-matching loss on a batch of `--tokens`
+latent tokens and `--text` text tokens. Its LoRA gradients are taken:
+
+- reference: float32 weights and inputs, TF32 off, the math attention kernel (no fused kernel);
+- bf16: the weights rounded to bf16 and every floating input cast at the model's forward, as the
+  training engine's mixed precision computes (FSDP2 casts a root module's floating inputs to its param
+  dtype: the timestep too), the loss and gradients read back in float32, once per
+  scaled-dot-product-attention kernel: torch's default choice and each kernel the device allows
+  (flash, efficient, cudnn, math); and again with the timestep and guidance kept in float32, as
+  diffusers' pipelines call a bf16 transformer ("bfloat16+fp32-time");
+- float32 with the default kernel (TF32 off): a check of the fused kernels themselves in float32.
+
+Tolerance, fixed before any run: bf16 keeps 8 significant bits (unit roundoff u = 2^-8 = 3.9e-3). A
+gradient after a few blocks of bf16 matmuls (inner dimensions 3072-18944, accumulated in float32 by the
+kernels) and a bf16 attention carries relative errors of a few u; the bound is 0.05 = 13 u on the
+relative L2 error ||g - g_ref|| / ||g_ref|| of the LoRA gradients taken together, and 10 u (0.039) on
+the worst single tensor would be too tight for tensors near zero, so the worst tensor is reported, not
+bounded. The failure this looks for is the one seen at head dim 8 on the H200 (LoRA gradients ~150 times
+too large from the default SDPA backward: a relative error of ~150). float32 fused kernels against the
+math kernel: 1e-3 (TF32 is off; the fused kernels reorder sums).
+
+    python scripts/check_gpu_equivalence.py --json out.json                    # all four families, CUDA
+    python scripts/check_gpu_equivalence.py --device cpu --tiny --json out.json  # the same checks, tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+BF16_BOUND = 0.05
+FP32_BOUND = 1e-3
+KERNELS = ("default", "flash", "efficient", "cudnn", "math")
+# The inputs diffusers' pipelines hand a bf16 transformer in float32 (its embeddings compute in float32
+# and cast after): "bfloat16+fp32-time" keeps them, "bfloat16" casts them as FSDP2 does today.
+FULL_PRECISION_INPUTS = ("timestep", "guidance")
+
+
+def transformer_config(family: str, layers: int, tiny: bool) -> dict:
+    from verl_dmd.adapters import get_adapter
+    from verl_dmd.testing.pipelines import FULL_CONFIGS
+
+    if tiny:
+        return dict(get_adapter(family).tiny_config)
+    config = dict(FULL_CONFIGS[family]["transformer"])
+    if family == "flux":
+        config["num_single_layers"] = max(1, layers)
+        config["num_layers"] = max(1, layers // 2)
+        config["guidance_embeds"] = True
+    else:
+        config["num_layers"] = layers
+    return config
+
+
+def make_inputs(family: str, model, batch: int, tokens: int, text: int, generator) -> tuple:
+    """(x0, noise, sigma, cond) in float32 on the CPU, laid out as the family's adapter takes them."""
+    cfg = model.config
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator)
+
+    side = round(tokens**0.5)
+    if family == "sd3":
+        x0 = randn(batch, cfg.in_channels, 2 * side, 2 * side)  # 2x2 patches: side^2 tokens
+        cond = {"encoder_hidden_states": randn(batch, text, cfg.joint_attention_dim),
+                "pooled_projections": randn(batch, cfg.pooled_projection_dim)}  # fmt: skip
+    elif family == "flux":
+        x0 = randn(batch, side * side, cfg.in_channels)
+        cond = {"encoder_hidden_states": randn(batch, text, cfg.joint_attention_dim),
+                "pooled_projections": randn(batch, cfg.pooled_projection_dim)}  # fmt: skip
+        if cfg.guidance_embeds:
+            cond["guidance"] = torch.full((batch,), 3.5)
+    elif family == "qwen_image":
+        x0 = randn(batch, side * side, cfg.in_channels)
+        cond = {"encoder_hidden_states": randn(batch, text, cfg.joint_attention_dim),
+                "encoder_hidden_states_mask": torch.ones(batch, text, dtype=torch.long)}  # fmt: skip
+    else:  # wan: (B, C, F, H, W) with 1x2x2 patches; 4 latent frames
+        frames = 4
+        width = max(1, tokens // (frames * side))
+        x0 = randn(batch, cfg.in_channels, frames, 2 * side, 2 * width)
+        cond = {"encoder_hidden_states": randn(batch, text, cfg.text_dim)}
+    noise = randn(*x0.shape)
+    sigma = torch.rand(batch, generator=generator) * 0.8 + 0.1
+    return x0, noise, sigma, cond
+
+
+def lora_model(family: str, config: dict, rank: int, device: torch.device):
+    from peft import LoraConfig
+
+    from verl_dmd.adapters import get_adapter
+    from verl_dmd.runtime import lora
+
+    adapter = get_adapter(family)()
+    torch.manual_seed(0)
+    model = adapter.model_class.from_config(config).float()
+    targets = list(adapter.default_lora_targets)
+    lora.add_adapter(model, LoraConfig(r=rank, lora_alpha=rank, target_modules=targets), "student")
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.requires_grad_("lora_" in name)
+            if "lora_B" in name:  # PEFT starts B at 0: A's gradient would be 0 too
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
+    return adapter, model.to(device)
+
+
+def lora_gradients(adapter, model, inputs, dtype: torch.dtype, device: torch.device, kernel: str,
+                   keep: tuple[str, ...] = ()) -> dict:  # fmt: skip
+    """The LoRA gradients of one loss. In bf16 the model's floating inputs are cast to bf16 at its forward, as
+    FSDP2's mixed precision casts a root module's inputs, except the keyword inputs named in `keep`."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    x0, noise, sigma, cond = inputs
+    work = model if dtype == torch.float32 else copy.deepcopy(model).to(dtype)
+    for name, param in work.named_parameters():
+        param.requires_grad_("lora_" in name)
+        param.grad = None
+    handle = None
+    if dtype != torch.float32:
+
+        def cast(value, name=None):
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and name not in keep:
+                return value.to(dtype)
+            return value
+
+        handle = work.register_forward_pre_hook(
+            lambda module, args, kwargs: (
+                tuple(cast(a) for a in args),
+                {k: cast(v, k) for k, v in kwargs.items()},
+            ),
+            with_kwargs=True,
+        )
+    s = sigma.to(device).view(-1, *([1] * (x0.ndim - 1)))
+    x_t = (1 - s) * x0.to(device) + s * noise.to(device)
+    target = noise.to(device) - x0.to(device)
+    backends = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}  # fmt: skip
+    chosen = sdpa_kernel(backends[kernel]) if kernel != "default" else contextlib.nullcontext()
+    try:
+        with chosen:
+            v = adapter.predict(work, x_t, sigma.to(device), {k: t.to(device) for k, t in cond.items()})
+            loss = (v.float() - target).square().mean()
+            loss.backward()
+    finally:
+        if handle is not None:
+            handle.remove()
+    return {n: p.grad.detach().float().cpu() for n, p in work.named_parameters() if "lora_" in n}
+
+
+def compare(got: dict, want: dict) -> dict:
+    num = sum(float((got[k] - want[k]).square().sum()) for k in want)
+    den = sum(float(want[k].square().sum()) for k in want)
+    worst = max(want, key=lambda k: float((got[k] - want[k]).norm() / (want[k].norm() + 1e-30)))
+    return {"relative_l2": (num / den) ** 0.5 if den else float("inf"),
+            "worst_tensor": worst, "worst_relative_l2": float((got[worst] - want[worst]).norm() / want[worst].norm()),
+            "norm_ratio": (sum(float(got[k].square().sum()) for k in want) / den) ** 0.5 if den else float("inf")}  # fmt: skip
+
+
+def check_family(family: str, args, device: torch.device) -> dict:
+    config = transformer_config(family, args.layers, args.tiny)
+    adapter, model = lora_model(family, config, args.rank, device)
+    inputs = make_inputs(family, model, args.batch, args.tokens, args.text, torch.Generator().manual_seed(2))
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    reference = lora_gradients(adapter, model, inputs, torch.float32, device, "math")
+    head_dim = config.get("attention_head_dim")
+    result = {"family": family, "config": config, "head_dim": head_dim, "tokens": args.tokens, "text": args.text,
+              "batch": args.batch, "rank": args.rank, "lora_tensors": len(reference), "checks": {}}  # fmt: skip
+    kernels = KERNELS if device.type == "cuda" else ("default", "math")
+    variants = [("bfloat16", torch.bfloat16, BF16_BOUND, ()), ("bfloat16+fp32-time", torch.bfloat16, BF16_BOUND,
+                FULL_PRECISION_INPUTS), ("float32", torch.float32, FP32_BOUND, ())]  # fmt: skip
+    for kernel in kernels:
+        for label, dtype, bound, keep in variants:
+            if dtype == torch.float32 and kernel == "math":
+                continue  # the reference itself
+            name = f"{label}/{kernel}"
+            try:
+                got = lora_gradients(adapter, model, inputs, dtype, device, kernel, keep)
+            except RuntimeError as err:  # a kernel the device or the shape does not support
+                result["checks"][name] = {"unsupported": str(err).splitlines()[0][:200]}
+                continue
+            entry = compare(got, reference)
+            entry["bound"], entry["ok"] = bound, entry["relative_l2"] <= bound
+            result["checks"][name] = entry
+    result["ok"] = all(c.get("ok", True) for c in result["checks"].values())
+    return result
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--families", nargs="+", default=["sd3", "flux", "qwen_image", "wan"])
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--tiny", action="store_true", help="the adapters' tiny configs (a CPU smoke run)")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=1024, help="latent tokens per sample")
+    parser.add_argument("--text", type=int, default=128, help="text tokens per sample")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda needs a CUDA device (or use --device cpu --tiny)")
+    device = torch.device(args.device)
+    results = []
+    for family in args.families:
+        result = check_family(family, args, device)
+        results.append(result)
+        print(f"{family} (head dim {result['head_dim']}): " + "; ".join(
+            f"{name} {c['relative_l2']:.2e}{'' if c['ok'] else ' FAIL'}" if "relative_l2" in c else f"{name} n/a"
+            for name, c in result["checks"].items()), flush=True)  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+                                         "torch": torch.__version__, "bf16_bound": BF16_BOUND,
+                                         "fp32_bound": FP32_BOUND, "results": results}, indent=1) + "\n")  # fmt: skip
+    return 0 if all(r["ok"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
