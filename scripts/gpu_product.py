@@ -341,13 +341,25 @@ def main() -> int:
                 log(f"training failed ({code}); log: {work / 'train_straight.log'}")
                 return 1
             command = [*base, f"trainer.output_dir={stopped}"]
+            if args.save_every + 1 >= args.steps:
+                log(f"--save-every {args.save_every} leaves no step to stop at before --steps {args.steps}")
+                return 2
             stop_env = {**env, "VERL_FILE_LOGGER_PATH": str(work / "metrics_stopped.jsonl")}
             code, seconds, output = run_until_stopped(command, work / "train_stopped.log", stop_env,
                                                       args.save_every + 1, args.steps)  # fmt: skip
             figures["stopped"] = {"seconds": seconds, "exit": code, **log_figures(output)}
+            if code != 128 + signal.SIGTERM or "stopped by SIGTERM" not in output:
+                log(
+                    f"the stopped run did not stop on SIGTERM (exit {code}); log: {work / 'train_stopped.log'}"
+                )
+                save()
+                return 1
             stop_env["VERL_FILE_LOGGER_PATH"] = str(work / "metrics_resumed.jsonl")
             code2, seconds, output = run(command, work / "train_resumed.log", stop_env)
             figures["resumed"] = {"seconds": seconds, "exit": code2, **log_figures(output)}
+            if code2 == 0 and "resumed from" not in output:
+                log("the relaunch did not resume from a checkpoint")
+                code2 = 1
             final = f"global_step_{args.steps}"
             checkpoints = sorted((straight / "checkpoints").glob("global_step_*"))
             figures["checkpoint_bytes"] = du(straight / "checkpoints" / final)

@@ -67,6 +67,15 @@ def test_rates_without_flops_or_denominators():
     assert meter.phase("student", {}) == {}
 
 
+def test_a_skipped_student_phase_does_not_close_the_cycle():
+    meter = Throughput(world_size=1, measured=None, datasheet=None)
+    phase = {"perf/student/seconds": 1.0, "perf/student/samples": 2, "perf/student/flops": 10**12}
+    rates = meter.phase("student", {**phase, "stepped": False})
+    assert not any(k.startswith("perf/cycle") for k in rates)
+    rates = meter.phase("student", {**phase, "stepped": True})
+    assert rates["perf/cycle/tflop_per_s"] == pytest.approx(2 / 2.0)  # both phases' FLOPs over both seconds
+
+
 def test_denominators_on_a_cpu():
     assert datasheet_rate("cpu") is None
     assert measure_matmul_rate("cpu") is None

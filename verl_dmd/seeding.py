@@ -77,13 +77,11 @@ def fixed_global_torch(seed: int) -> Iterator[None]:
 def use_deterministic_kernels() -> None:
     """Deterministic kernels for this process (`resources.deterministic`): cuBLAS's fixed workspace (set
     before its first handle: workers call this before building any model), torch's deterministic algorithms
-    in warn-only mode (an op without a deterministic kernel warns once, naming itself), cuDNN without
-    autotuning."""
+    (strict: ops with a deterministic variant use it, e.g. the flash and memory-efficient attention
+    backward; an op without one raises, naming itself), cuDNN without autotuning."""
     import os
-    import warnings
 
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
-    warnings.filterwarnings("always", message=".*does not have a deterministic implementation.*")

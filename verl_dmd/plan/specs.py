@@ -603,10 +603,11 @@ class ResourceSpec:
     so a sleep returns memory to the driver fast; false leaves the caching allocator's own layout
     (slower release, no tensor re-pointed). Same math either way."""
     deterministic: bool = False
-    """Deterministic kernels on the workers: torch.use_deterministic_algorithms (warn-only: an op with no
-    deterministic kernel is named in the log, not refused), cuDNN deterministic without autotuning, and
-    CUBLAS_WORKSPACE_CONFIG=:4096:8 where unset. Costs speed; makes two runs of a GPU plan (and a
-    resumed run against an uninterrupted one) equal bit for bit where every kernel has such a variant."""
+    """Deterministic kernels on the workers: torch.use_deterministic_algorithms (ops with a deterministic
+    variant use it, the attention backward included; an op without one stops the run with an error naming
+    it), cuDNN deterministic without autotuning, and CUBLAS_WORKSPACE_CONFIG=:4096:8 where unset. Costs
+    speed; meant to make two runs of a GPU plan (and a resumed run against an uninterrupted one) equal bit
+    for bit."""
 
     def validate(self, key: str) -> None:
         check_int(f"{key}.nnodes", self.nnodes, minimum=1)

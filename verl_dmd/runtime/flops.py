@@ -30,9 +30,13 @@ from torch import nn
 from verl_dmd.phases import Role
 
 # Dense bf16 tensor-core peaks from the vendors' datasheets (no sparsity), by a name part of
-# torch.cuda.get_device_name: 989.5 TFLOP/s is the H100 SXM's figure, which the H200 shares (and
-# what FastVideo divides by for both); 312 is the A100's.
-DATASHEET_BF16_FLOPS = {"H200": 989.5e12, "H100": 989.5e12, "A100": 312e12}
+# torch.cuda.get_device_name, the first part that matches: 989.5 TFLOP/s is the H100 SXM's figure,
+# which the H200 SXM shares (and what FastVideo divides by for both); the PCIe/NVL cards are lower;
+# 312 is the A100's.
+DATASHEET_BF16_FLOPS = {
+    "H100 PCIe": 756e12, "H100 NVL": 835e12, "H200 NVL": 835e12,  # the PCIe cards, before the SXM names
+    "H200": 989.5e12, "H100": 989.5e12, "A100": 312e12,
+}  # fmt: skip
 
 
 def datasheet_rate(device: torch.device | str) -> tuple[str, float] | None:
@@ -54,21 +58,27 @@ def measure_matmul_rate(device: torch.device | str, seconds: float = 2.0, size: 
     device = torch.device(device)
     if device.type != "cuda" or seconds <= 0:
         return None
-    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
-    b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
-    for _ in range(3):
-        torch.mm(a, b)
-    torch.cuda.synchronize(device)
-    count, started = 0, time.perf_counter()
-    while True:
-        for _ in range(10):
+    generator = torch.Generator(device).manual_seed(0)  # a private stream: the run's CUDA RNG is untouched
+    try:
+        a = torch.randn(size, size, device=device, dtype=torch.bfloat16, generator=generator)
+        b = torch.randn(size, size, device=device, dtype=torch.bfloat16, generator=generator)
+        for _ in range(3):
             torch.mm(a, b)
         torch.cuda.synchronize(device)
-        count += 10
-        elapsed = time.perf_counter() - started
-        if elapsed >= seconds:
-            break
-    del a, b
+        count, started = 0, time.perf_counter()
+        while True:
+            for _ in range(10):
+                torch.mm(a, b)
+            torch.cuda.synchronize(device)
+            count += 10
+            elapsed = time.perf_counter() - started
+            if elapsed >= seconds:
+                break
+    except torch.OutOfMemoryError:  # a nearly full device: no measured denominator
+        return None
+    finally:
+        a = b = None
+        torch.cuda.empty_cache()
     return 2.0 * size**3 * count / elapsed
 
 
@@ -224,29 +234,33 @@ class PhaseFlops:
         return model
 
     def _price(self, call: tuple) -> int | None:
+        """The call's FLOPs, or None (the reason in `unpriced`): a model that cannot be built or run on the
+        meta device costs the figure, never the phase. Counted outside any dispatch mode the caller runs
+        (a profiler's or a FlopCounterMode around the phase sees none of the meta ops)."""
+        from torch.utils._python_dispatch import _disable_current_modes
         from torch.utils.flop_counter import FlopCounterMode
 
         model_name, role_name, trainable, backward, args, kwargs = call
-        lora = self._lora(role_name)
-        model = self._meta_model(model_name, lora)
-        if model is None:
-            return None
-        for name, param in model.named_parameters():
-            is_lora = "lora_" in name
-            param.requires_grad_(trainable and (is_lora if lora is not None else True))
-        counter = FlopCounterMode(display=False)
         try:
-            with counter:
-                output = _first_tensor(model(*_meta_value(args), **_meta_value(kwargs)))
-                if backward and output is not None and output.requires_grad:
-                    output.sum().backward()
+            with _disable_current_modes():
+                lora = self._lora(role_name)
+                model = self._meta_model(model_name, lora)
+                if model is None:
+                    return None
+                for name, param in model.named_parameters():
+                    is_lora = "lora_" in name
+                    param.requires_grad_(trainable and (is_lora if lora is not None else True))
+                counter = FlopCounterMode(display=False)
+                try:
+                    with counter:
+                        output = _first_tensor(model(*_meta_value(args), **_meta_value(kwargs)))
+                        if backward and output is not None and output.requires_grad:
+                            output.sum().backward()
+                finally:
+                    model.zero_grad(set_to_none=True)
         except (
             Exception
         ) as err:  # a model whose forward needs values (not shapes): no figure, training goes on
-            self.unpriced = (
-                f"{type(model).__name__} cannot run on the meta device ({type(err).__name__}: {err})"
-            )
+            self.unpriced = f"{model_name} cannot be priced on the meta device ({type(err).__name__}: {err})"
             return None
-        finally:
-            model.zero_grad(set_to_none=True)
         return int(counter.get_total_flops())

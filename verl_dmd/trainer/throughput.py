@@ -10,8 +10,11 @@ same shapes). `Throughput` turns them into rates:
   (the practical ceiling), and `perf/<role>/mfu_datasheet`: / the datasheet's dense bf16 peak
   (989.5 TFLOP/s for an H100 or H200, FastVideo's denominator);
 
-and the same over a DMD2 cycle (the fake-score phases since the last student step and that step) as
-`perf/cycle/*`, where samples/s counts the student's samples. The progress line shows the cycle's.
+and the same over a DMD2 cycle (the phases since the last student step, skipped ones included, and that
+step) as `perf/cycle/*`, where samples/s counts the student's samples. Seconds are the phases' own (on
+rank 0): the driver's time between phases (data, RPC, checkpoints, validation) is not in them, so these
+are the training's rates, not the run's; the first cycle holds the fake-score warm-up phases, and the
+first after a resume only the phases run since. The progress line shows the cycle's.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ class Throughput:
         cycle["seconds"] += seconds
         cycle["counted"] = cycle["counted"] and flops is not None
         cycle["flops"] += flops or 0
-        if role == "student":
+        if role == "student" and metrics.get("stepped", True):  # a skipped student phase: the cycle goes on
             out.update(
                 self.rates(
                     "perf/cycle", cycle["seconds"], samples, cycle["flops"] if cycle["counted"] else None

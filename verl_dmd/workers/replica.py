@@ -70,9 +70,11 @@ class InferenceReplica:
         }
         for module in self.components.values():
             module.to(self.device).eval().requires_grad_(False)
-            # float32 latents and levels in, as the training engine's roles take them
-            if dtype != torch.float32:
-                module.register_forward_pre_hook(_cast_floating_inputs(dtype), with_kwargs=True)
+            # float32 latents and levels in, as the training engine's roles take them: cast to the module's
+            # own dtype (a component kept in float32 keeps float32 inputs)
+            own = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
+            if own != torch.float32:
+                module.register_forward_pre_hook(_cast_floating_inputs(own), with_kwargs=True)
         self._completed: dict[str, int] = dict.fromkeys(self.components, 0)
         self.versions: dict[str, int | None] = dict(self._completed)
         """Per component: the number of completed syncs, or None while a failed one left it incomplete."""
