@@ -13,6 +13,7 @@ from verl_dmd.runtime.flops import datasheet_rate, measure_matmul_rate
 from verl_dmd.trainer.throughput import Throughput, describe
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "family,layout",
     [("sd3", "shared_base_adapters"), ("qwen_image", "shared_base_adapters"), ("dit", "independent")],
