@@ -63,6 +63,11 @@ class DistributionMatchingModelAdapter:
     """The highest noise level the family samples from and trains its student from. 1 for velocity and x0
     prediction; an epsilon model has no x0 estimate at 1 (pure noise), so its family sets a level below."""
     default_lora_targets: ClassVar[tuple[str, ...]] = ("to_q", "to_k", "to_v", "to_out.0")
+    full_precision_inputs: ClassVar[tuple[str, ...]] = ("timestep", "guidance")
+    """Keyword inputs of the model that stay float32 under bf16 mixed precision, as the family's pipeline
+    hands them to a bf16 transformer (its embeddings compute in float32 and cast after); every other
+    floating input is cast to the compute dtype at the model's forward. A timestep of 1000 sigma cast to
+    bf16 would move by up to 2 near 1000 (bf16's spacing there is 4)."""
     pipeline_component: ClassVar[str] = "transformer"
     """The model's name in its diffusers pipeline (model_index.json; LoRA keys' prefix)."""
     tiny_config: ClassVar[dict[str, Any]] = {}

@@ -87,6 +87,7 @@ class RoleEngine:
             sharding.shard(
                 model, plan.model, adapter.fsdp_units, mesh=mesh, device=self.device,
                 offload=self.layout.cpu_offloaded(model_name), extra_units=extras,
+                full_precision_inputs=getattr(adapter, "full_precision_inputs", ()),
             )  # fmt: skip
         if plan.model.compile:
             units = [unit for model in self.models.values() for unit in adapter.fsdp_units(model)]

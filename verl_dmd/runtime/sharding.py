@@ -53,6 +53,22 @@ def store_frozen_in_compute_dtype(
                     param.data = param.data.to(dtype)
 
 
+def cast_inputs_hook(dtype: torch.dtype, keep: Iterable[str]):
+    """A forward pre-hook casting a module's floating tensor inputs to `dtype`, except the keyword inputs
+    named in `keep` (what FSDP2's cast_forward_inputs does, with exceptions)."""
+    keep = frozenset(keep)
+
+    def cast(value):
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != dtype:
+            return value.to(dtype)
+        return value
+
+    def hook(module, args, kwargs):
+        return tuple(cast(a) for a in args), {k: v if k in keep else cast(v) for k, v in kwargs.items()}
+
+    return hook
+
+
 def shard(
     model: nn.Module,
     spec: ModelSpec,
@@ -62,10 +78,12 @@ def shard(
     device: torch.device,
     offload: bool,
     extra_units: Iterable[nn.Module] = (),
+    full_precision_inputs: Iterable[str] = (),
 ) -> None:
     """`fully_shard` every unit (the adapter's `fsdp_units(model)` unless model.fsdp_units=model, then
     `extra_units`), then the model as the root, with the plan's mixed precision, resharding and offload
-    settings. Activation checkpointing wraps the adapter's units first; the units are listed again after
+    settings. With bf16 compute the root's floating inputs are cast to it, except the keyword inputs in
+    `full_precision_inputs` (the adapter's: the timestep), which reach the model in float32. Activation checkpointing wraps the adapter's units first; the units are listed again after
     it, so FSDP2 shards the wrappers."""
     param_dtype = DTYPES[spec.param_dtype]
     reduce_dtype = DTYPES[spec.reduce_dtype]
@@ -95,7 +113,18 @@ def shard(
     units = list(fsdp_units(model)) if spec.fsdp_units == "blocks" else []
     for unit in [*units, *extra_units]:
         fully_shard(unit, **kwargs)
-    fully_shard(model, **kwargs)
+    if mixed and full_precision_inputs:
+        # The root casts its inputs itself, keeping the adapter's full-precision ones (the timestep) float32
+        # as the family's pipeline does; the units keep FSDP2's cast (their inputs come from bf16 layers).
+        root_policy = MixedPrecisionPolicy(
+            param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype, cast_forward_inputs=False
+        )
+        fully_shard(model, **{**kwargs, "mp_policy": root_policy})
+        model.register_forward_pre_hook(
+            cast_inputs_hook(param_dtype, full_precision_inputs), with_kwargs=True
+        )
+    else:
+        fully_shard(model, **kwargs)
 
 
 def compile_units(units: Iterable[nn.Module], backend: str) -> None:

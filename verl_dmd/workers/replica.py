@@ -30,26 +30,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from verl_dmd.runtime.sharding import cast_inputs_hook
 from verl_dmd.runtime.weight_sync import WeightSyncPlan
 
 
 class ReplicaError(ValueError):
     """A sync or request the replica refuses; the message is one line."""
-
-
-def _cast_floating_inputs(dtype: torch.dtype):
-    """A forward pre-hook casting floating tensor arguments to `dtype`, as FSDP2's mixed precision casts a
-    training role's inputs to its param dtype (the replica's modules are plain modules in that dtype)."""
-
-    def cast(value):
-        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != dtype:
-            return value.to(dtype)
-        return value
-
-    def hook(module, args, kwargs):
-        return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
-
-    return hook
 
 
 class InferenceReplica:
@@ -73,8 +59,9 @@ class InferenceReplica:
             # float32 latents and levels in, as the training engine's roles take them: cast to the module's
             # own dtype (a component kept in float32 keeps float32 inputs)
             own = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
-            if own != torch.float32:
-                module.register_forward_pre_hook(_cast_floating_inputs(own), with_kwargs=True)
+            if own != torch.float32:  # the timestep stays float32, as in the engine and the pipeline
+                keep = getattr(adapter, "full_precision_inputs", ())
+                module.register_forward_pre_hook(cast_inputs_hook(own, keep), with_kwargs=True)
         self._completed: dict[str, int] = dict.fromkeys(self.components, 0)
         self.versions: dict[str, int | None] = dict(self._completed)
         """Per component: the number of completed syncs, or None while a failed one left it incomplete."""
