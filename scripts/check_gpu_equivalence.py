@@ -6,12 +6,12 @@ factors random, so every LoRA gradient is non-zero), and one flow-matching loss 
 latent tokens and `--text` text tokens. Its LoRA gradients are taken:
 
 - reference: float32 weights and inputs, TF32 off, the math attention kernel (no fused kernel);
-- bf16: the weights rounded to bf16 and every floating input cast at the model's forward, as the
-  training engine's mixed precision computes (FSDP2 casts a root module's floating inputs to its param
-  dtype: the timestep too), the loss and gradients read back in float32, once per
+- bf16: the weights rounded to bf16 and every floating input cast at the model's forward, as FSDP2's
+  mixed precision casts a root module's floating inputs to its param dtype (the timestep too: the
+  engine before ba7b92c), the loss and gradients read back in float32, once per
   scaled-dot-product-attention kernel: torch's default choice and each kernel the device allows
   (flash, efficient, cudnn, math); and again with the timestep and guidance kept in float32, as
-  diffusers' pipelines call a bf16 transformer ("bfloat16+fp32-time");
+  diffusers' pipelines call a bf16 transformer and the engine now does ("bfloat16+fp32-time");
 - float32 with the default kernel (TF32 off): a check of the fused kernels themselves in float32.
 
 Tolerance, fixed before any run: bf16 keeps 8 significant bits (unit roundoff u = 2^-8 = 3.9e-3). A
@@ -44,7 +44,8 @@ BF16_BOUND = 0.05
 FP32_BOUND = 1e-3
 KERNELS = ("default", "flash", "efficient", "cudnn", "math")
 # The inputs diffusers' pipelines hand a bf16 transformer in float32 (its embeddings compute in float32
-# and cast after): "bfloat16+fp32-time" keeps them, "bfloat16" casts them as FSDP2 does today.
+# and cast after): "bfloat16+fp32-time" keeps them, as the engine does since ba7b92c
+# (adapter.full_precision_inputs); "bfloat16" casts them, as FSDP2's own input cast did before.
 FULL_PRECISION_INPUTS = ("timestep", "guidance")
 
 
