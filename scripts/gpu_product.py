@@ -321,7 +321,9 @@ def main() -> int:
         train = [f"trainer.total_steps={args.steps}", f"checkpoint.save_every={args.save_every}",
                  "validation.every=0", "validation.num_samples=2", "validation.teacher_steps=4",
                  "resources.workers_per_node=1", "trainer.log_every=1", "trainer.loggers=[console,file]",
-                 "export.at_end=false"]  # fmt: skip
+                 "export.at_end=false", "checkpoint.keep_last=1"]  # fmt: skip
+        # keep_last=1: a full-size run's disk (64 GiB on the lent machine) holds the pipeline, both runs' newest
+        # checkpoints and later the merged export (Flux: about 34 + 2 x 2 + 24 GB).
         straight, stopped = work / "run_straight", work / "run_stopped"
         if "train" in stages:
             for run_dir in (straight, stopped):
