@@ -33,8 +33,17 @@ USAGE = (
 )
 
 
-def run(cfg, *, log: Callable[[str], None] | None = None, fault: Callable[[str], None] | None = None) -> int:
-    """Prepare the data set of `cfg` (a composed config or mapping); returns a process exit code."""
+def run(
+    cfg,
+    *,
+    log: Callable[[str], None] | None = None,
+    fault: Callable[[str], None] | None = None,
+    teardown: bool = True,
+) -> int:
+    """Prepare the data set of `cfg` (a composed config or mapping); returns a process exit code.
+
+    Under torchrun the ranks' process group is destroyed at the end unless `teardown` is false (the console
+    script ends such ranks with os._exit instead: see `cli`)."""
     import os
 
     from verl_dmd.data.prepared import DatasetError
@@ -74,7 +83,7 @@ def run(cfg, *, log: Callable[[str], None] | None = None, fault: Callable[[str],
             # aborts the process ("terminate called without an active exception") when a peer closes under it.
             dist.barrier()
     finally:
-        if world_size > 1:
+        if world_size > 1 and teardown:
             import torch.distributed as dist
 
             dist.destroy_process_group()
@@ -110,6 +119,17 @@ def cli() -> None:
         print(f"{PROG}: error: hydra's own flags are not taken here; fix: `{PROG} --help`, or "
               "`verl-dmd --cfg job ...` with the same overrides to see the composed config", file=sys.stderr)  # fmt: skip
         sys.exit(2)
+    import os
+
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        # Past the last barrier every rank's work is on disk. Tearing gloo down (destroy_process_group, or
+        # the destructors at interpreter exit) while a peer does the same aborted a rank now and then
+        # ("terminate called without an active exception", exit -6) on a loaded 2-core machine; a rank that
+        # leaves with os._exit runs no teardown, so none can.
+        code = run(cfg, teardown=False)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     code = run(cfg)
     if code:
         sys.exit(code)
