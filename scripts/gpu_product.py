@@ -37,7 +37,11 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+from bench_offload import code_version  # noqa: E402
 
 PROMPTS = [
     "a red cat", "a blue dog", "the sea at night", "a photo of a cat", "a dog on the hill", "a red house",
@@ -262,7 +266,9 @@ def main() -> int:
     family, work = args.family, args.work / args.family
     work.mkdir(parents=True, exist_ok=True)
     report = json.loads(args.report.read_text()) if args.report.exists() else {}
-    report.update({"family": family, "size": args.size, "layers": args.layers, "device": args.device})
+    report.update({"family": family, "size": args.size, "layers": args.layers, "device": args.device,
+                   "code": code_version(), "torch": torch.__version__,
+                   "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None})  # fmt: skip
     pictures = args.pictures or args.report.parent
     pictures.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
