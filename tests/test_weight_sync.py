@@ -189,26 +189,34 @@ def test_a_sync_that_fails_on_rank_0_leaves_no_rank_waiting(pipeline, tmp_path):
     assert result["active"] is None and result["done"]["versions"] == {"transformer": 1}
 
 
-def test_a_bf16_replica_takes_float32_latents_as_the_engine_does(pipeline):
+@pytest.mark.parametrize("family", ["sd3", "flux", "qwen_image", "wan"])
+def test_a_bf16_replica_takes_float32_latents_as_the_engine_does(family, tmp_path):
     """A replica in bf16 (the recipes' param dtype) samples from float32 noise and levels: its modules cast
     floating inputs to their dtype, as FSDP's mixed precision does for the training roles (the first
-    full-size GPU run failed here with "Input type (float) and bias type (BFloat16)")."""
+    full-size GPU runs failed here with "Input type (float) and bias type (BFloat16)": SD3, then Wan, whose
+    transformer keeps some modules in float32, so its first parameter is not the dtype it computes in)."""
     from verl_dmd.adapters import get_adapter
     from verl_dmd.algorithms.sampling import renoise_draws
+    from verl_dmd.testing.pipelines import build_pipeline
     from verl_dmd.workers.replica import InferenceReplica
 
-    adapter = get_adapter("sd3")()
+    pipeline = build_pipeline(family, tmp_path / family)
+    adapter = get_adapter(family)()
     replicas = {
         dtype: InferenceReplica(pipeline, adapter, dtype=dtype) for dtype in (torch.bfloat16, torch.float32)
     }
+    high_replica = replicas[torch.float32]
+    cond = high_replica.encode(["a red cat", "a blue dog"], max_sequence_length=16)  # float32 text, both
+    transformer, vae = high_replica.components["transformer"], high_replica.components["vae"]
+    for key, value in adapter.constant_cond(transformer.config, 3.5).items():
+        cond[key] = torch.full((2,), float(value))
+    shape = adapter.latent_shape(vae.config, transformer.config, 32, 32, 5 if family == "wan" else None)
     generator = torch.Generator().manual_seed(3)
-    noise = torch.randn((2, 16, 4, 4), generator=generator)
-    cond = {"encoder_hidden_states": torch.randn((2, 5, 32), generator=generator),
-            "pooled_projections": torch.randn((2, 24), generator=generator)}  # fmt: skip
+    noise = torch.randn((2, *shape), generator=generator)
     schedule = [1.0, 0.5, 0.0]
     draws = renoise_draws(noise.shape, 2, generator)
     low = replicas[torch.bfloat16].few_step(noise, cond, schedule, draws)
-    high = replicas[torch.float32].few_step(noise, cond, schedule, draws)
+    high = high_replica.few_step(noise, cond, schedule, draws)
     assert low.shape == noise.shape and torch.isfinite(low).all()
     # bf16 arithmetic, the same sampler: close to float32, not equal (the cast is real)
     error = float((low.float() - high).abs().max() / high.abs().max())

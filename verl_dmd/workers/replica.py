@@ -56,12 +56,15 @@ class InferenceReplica:
         }
         for module in self.components.values():
             module.to(self.device).eval().requires_grad_(False)
-            # float32 latents and levels in, as the training engine's roles take them: cast to the module's
-            # own dtype (a component kept in float32 keeps float32 inputs)
-            own = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
-            if own != torch.float32:  # the timestep stays float32, as in the engine and the pipeline
+            # float32 latents and levels in, as the training engine's roles take them: cast to the dtype the
+            # component computes in, `dtype`, where it holds parameters of it (a component kept wholly in
+            # float32 keeps float32 inputs). Not its first parameter's dtype: a transformer may keep some
+            # modules in float32 (Wan's time embedder and norms) and register one of them first.
+            computes_in = {p.dtype for p in module.parameters() if p.is_floating_point()}
+            # the timestep stays float32, as in the engine
+            if dtype != torch.float32 and dtype in computes_in:
                 keep = getattr(adapter, "full_precision_inputs", ())
-                module.register_forward_pre_hook(cast_inputs_hook(own, keep), with_kwargs=True)
+                module.register_forward_pre_hook(cast_inputs_hook(dtype, keep), with_kwargs=True)
         self._completed: dict[str, int] = dict.fromkeys(self.components, 0)
         self.versions: dict[str, int | None] = dict(self._completed)
         """Per component: the number of completed syncs, or None while a failed one left it incomplete."""
