@@ -662,6 +662,12 @@ def main(argv=None) -> int:
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
+    kernels_off: tuple[str, ...] = ()
+    if cuda and args.sdpa_backend == "default":  # what the product's workers do for this family
+        from verl_dmd.adapters import get_adapter
+        from verl_dmd.runtime.attention import exclude_attention_kernels
+
+        kernels_off = exclude_attention_kernels(get_adapter(args.family).excluded_attention_kernels)
     if args.sdpa_backend != "default":
         switches = {"cudnn": torch.backends.cuda.enable_cudnn_sdp, "flash": torch.backends.cuda.enable_flash_sdp,
                     "efficient": torch.backends.cuda.enable_mem_efficient_sdp}  # fmt: skip
@@ -730,7 +736,8 @@ def main(argv=None) -> int:
     print(f"\n{work.describe()}, batch {args.batch}, {work.height}x{work.width}{frames} "
           f"(latent {'x'.join(map(str, work.latent))}, {work.text_tokens} text tokens), K={args.k}, "
           f"LoRA rank {args.lora_rank} (none for independent_full), {cfg}, compile {args.compile}, "
-          f"reshard_after_forward {not args.keep_gathered}, attention kernel {args.sdpa_backend}, "
+          f"reshard_after_forward {not args.keep_gathered}, attention kernel {args.sdpa_backend}"
+          f"{' (off: ' + ', '.join(kernels_off) + ')' if kernels_off else ''}, "
           f"on {device_name}")  # fmt: skip
 
     def gib(value: int | None) -> str:
@@ -752,7 +759,7 @@ def main(argv=None) -> int:
               f"{percent(bare['mfu_datasheet'])} (datasheet), peak {gib(bare['peak_bytes'])} GiB")  # fmt: skip
     if args.json:
         document = {"code": code_version(), "device": device_name, "torch": torch.__version__,
-                    "family": work.family, "workload": asdict(work),
+                    "family": work.family, "attention_kernels_off": list(kernels_off), "workload": asdict(work),
                     "matmul_flops_per_s": rate, "matmul_flops_per_s_before": rate_before,
                     "matmul_flops_per_s_after": rate_after, "matmul_burst_flops_per_s": burst,
                     "matmul_burst_flops_per_s_before": burst_before, "matmul_burst_flops_per_s_after": burst_after,

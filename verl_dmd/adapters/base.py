@@ -68,6 +68,9 @@ class DistributionMatchingModelAdapter:
     hands them to a bf16 transformer (its embeddings compute in float32 and cast after); every other
     floating input is cast to the compute dtype at the model's forward. A timestep of 1000 sigma cast to
     bf16 would move by up to 2 near 1000 (bf16's spacing there is 4)."""
+    excluded_attention_kernels: ClassVar[tuple[str, ...]] = ()
+    """Scaled-dot-product-attention kernels (`cudnn`, `flash`, `efficient`) this family must not run on
+    CUDA: each rank switches them off before building its models (torch then picks among the rest)."""
     pipeline_component: ClassVar[str] = "transformer"
     """The model's name in its diffusers pipeline (model_index.json; LoRA keys' prefix)."""
     tiny_config: ClassVar[dict[str, Any]] = {}

@@ -393,6 +393,9 @@ class DistillationRayTrainer:
         self.group = self._start_group()
         info = self.group.init_model()[0]
         self.log(f"workers ready on {info.device} in {time.perf_counter() - started:.1f} s")
+        if info.attention_kernels_off:
+            self.log(f"attention kernels off for {plan.model.adapter}: {', '.join(info.attention_kernels_off)} "
+                     "(the adapter's excluded_attention_kernels; docs/architecture.md says why)")  # fmt: skip
         self._unpriced_noted = False
         self.throughput = throughput.Throughput(
             self.group.world_size, info.matmul_flops_per_s, info.datasheet[1] if info.datasheet else None

@@ -49,6 +49,8 @@ class WorkerInfo:
     """The bf16 matmul rate measured on the device at start (CUDA only): MFU's practical denominator."""
     datasheet: tuple[str, float] | None = None
     """(device name, dense bf16 FLOP/s of its datasheet) for known GPUs: MFU's datasheet denominator."""
+    attention_kernels_off: tuple[str, ...] = ()
+    """The attention kernels switched off on CUDA for this family (its adapter's `excluded_attention_kernels`)."""
 
 
 class RankSession:
@@ -71,6 +73,11 @@ class RankSession:
         self.plan = plan
         self.rank, self.world_size = rank, world_size
         self.adapter = get_adapter(plan.model.adapter)()
+        self.attention_kernels_off: tuple[str, ...] = ()
+        if torch.device(device).type == "cuda":
+            from verl_dmd.runtime.attention import exclude_attention_kernels
+
+            self.attention_kernels_off = exclude_attention_kernels(self.adapter.excluded_attention_kernels)
         self.computer = self.adapter.build_distribution_matching_computer(plan.model, plan, rank=rank)
         self.engine = RoleEngine(
             plan, self.adapter, device=device, extra_modules=self.computer.extra_modules()
@@ -96,6 +103,7 @@ class RankSession:
             sigma_max=float(self.adapter.sigma_max),
             matmul_flops_per_s=self._matmul_rate,
             datasheet=datasheet_rate(self.engine.device),
+            attention_kernels_off=self.attention_kernels_off,
         )
 
     def run_phase(self, request: PhaseRequest, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
