@@ -152,6 +152,14 @@ def log_figures(output: str) -> dict:
     if ready:
         figures["workers_ready_s"] = float(ready[0][1])
         figures["worker_device"] = ready[0][0]
+        parts = re.findall(r"^workers ready on .*\(rank 0: (.*)\)$", output, re.M)
+        if parts:  # "process group 1.2 s, model build 12.0 s, ...; the rest (9.1 s): ..."
+            where = {
+                name: float(sec)
+                for name, sec in re.findall(r"([a-z][a-z0-9 ]*?) ([\d.]+) s(?:,|;|$)", parts[0])
+            }
+            rest = re.findall(r"the rest \(([\d.]+) s\)", parts[0])
+            figures["workers_ready_parts_s"] = {**where, **({"the rest": float(rest[0])} if rest else {})}
     mfu = re.findall(r"^MFU .*against: (.*)$", output, re.M)
     if mfu:
         figures["mfu_denominators"] = mfu[0]

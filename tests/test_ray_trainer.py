@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -52,6 +53,14 @@ def test_sigterm_saves_and_the_same_command_resumes_to_the_same_result(tmp_path)
     straight = subprocess.run(verl_dmd(f"trainer.output_dir={tmp_path / 'a'}"), capture_output=True, text=True,
                               timeout=600, cwd=tmp_path)  # fmt: skip
     assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
+    # where the workers' start went, from rank 0's own clock; the remainder is the driver's side
+    ready = re.search(r"^workers ready on cpu in ([\d.]+) s \(rank 0: process group ([\d.]+) s, model build "
+                      r"([\d.]+) s, placement and sharding ([\d.]+) s, optimizers and the rest ([\d.]+) s, matmul "
+                      r"probe ([\d.]+) s; the rest \(([\d.]+) s\): worker start, imports, ray\)$",
+                      straight.stdout, re.M)  # fmt: skip
+    assert ready, straight.stdout[:3000]
+    total, *parts, rest = map(float, ready.groups())
+    assert abs(total - sum(parts) - rest) < 0.2 and rest > 0
 
     command = verl_dmd(f"trainer.output_dir={tmp_path / 'b'}")
     process = subprocess.Popen(

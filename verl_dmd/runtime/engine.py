@@ -26,6 +26,7 @@ optimizer; the engine knows nothing of any method.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -74,6 +75,7 @@ class RoleEngine:
         self._fsdp_module_cache: list[FSDPModule] | None = None
         self._module_cache: dict[str, tuple[list[nn.Module], bool]] = {}  # model -> (modules, plain train)
 
+        started = time.perf_counter()
         self.layout.seed()  # the same on every rank: random init (configs, LoRA factors) must agree
         self.models: dict[str, nn.Module] = self.layout.build_models()
         self.extra_modules = self._attach(extra_modules)
@@ -81,6 +83,7 @@ class RoleEngine:
             sharding.store_frozen_in_compute_dtype(
                 self.models, plan.model, lambda model, name: self._role_of(model, name) is not None
             )
+        built = time.perf_counter()
         for model_name, model in self.models.items():
             model.to(self.device)
             extras = [m for m in self.extra_modules.values() if any(m is x for x in model.children())]
@@ -92,6 +95,7 @@ class RoleEngine:
         if plan.model.compile:
             units = [unit for model in self.models.values() for unit in adapter.fsdp_units(model)]
             sharding.compile_units(units, plan.model.compile_backend)
+        sharded = time.perf_counter()
         self.params: dict[Role, list[nn.Parameter]] = {}
         self.frozen_params: list[nn.Parameter] = []
         self.param_names: dict[int, str] = {}
@@ -112,6 +116,9 @@ class RoleEngine:
         self._local_steps = {role: LocalShardStep(self.optimizers[role]) for role in TRAINABLE_ROLES}
         self._apply_trainable()
         self._activate(None)
+        self.init_seconds = {"model build": built - started, "placement and sharding": sharded - built,
+                             "optimizers and the rest": time.perf_counter() - sharded}  # fmt: skip
+        """Where this engine's construction went (seconds): the driver logs it with the workers' start."""
 
     # ------------------------------------------------------------------ building
 

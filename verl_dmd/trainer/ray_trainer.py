@@ -392,7 +392,16 @@ class DistillationRayTrainer:
         )
         self.group = self._start_group()
         info = self.group.init_model()[0]
-        self.log(f"workers ready on {info.device} in {time.perf_counter() - started:.1f} s")
+        ready = time.perf_counter() - started
+        parts = info.init_seconds or {}
+        where = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in parts.items())
+        rest = (
+            f"; the rest ({ready - sum(parts.values()):.1f} s): worker start, imports, ray" if parts else ""
+        )
+        self.log(
+            f"workers ready on {info.device} in {ready:.1f} s"
+            + (f" (rank 0: {where}{rest})" if parts else "")
+        )
         if info.attention_kernels_off:
             self.log(f"attention kernels off for {plan.model.adapter}: {', '.join(info.attention_kernels_off)} "
                      "(the adapter's excluded_attention_kernels; docs/architecture.md says why)")  # fmt: skip

@@ -49,6 +49,9 @@ class WorkerInfo:
     """The bf16 matmul rate measured on the device at start (CUDA only): MFU's practical denominator."""
     datasheet: tuple[str, float] | None = None
     """(device name, dense bf16 FLOP/s of its datasheet) for known GPUs: MFU's datasheet denominator."""
+    init_seconds: dict[str, float] | None = None
+    """Where rank 0's start went (seconds, in order): the process group, the engine's model build, placement
+    and sharding, optimizers, and the matmul probe; the driver logs it beside the total."""
     attention_kernels_off: tuple[str, ...] = ()
     """The attention kernels switched off on CUDA for this family (its adapter's `excluded_attention_kernels`)."""
 
@@ -83,6 +86,7 @@ class RankSession:
             plan, self.adapter, device=device, extra_modules=self.computer.extra_modules()
         )
         self.runtime = DistillationRoleRuntime(self.engine, self.computer)
+        self.init_seconds: dict[str, float] = dict(self.engine.init_seconds)
         packing = plan.resources.offload_packing
         self.offloader = StateOffloader(
             self.engine, pack=packing, **({} if packing else {"coalesce_below": 0})
@@ -94,7 +98,9 @@ class RankSession:
 
         teacher = self.engine.module_for(Role.TEACHER)
         if not hasattr(self, "_matmul_rate"):  # 2 s of matmuls, once
+            started = time.perf_counter()
             self._matmul_rate = measure_matmul_rate(self.engine.device, seconds=2.0)
+            self.init_seconds["matmul probe"] = time.perf_counter() - started
         return WorkerInfo(
             rank=self.rank,
             device=str(self.engine.device),
@@ -104,6 +110,7 @@ class RankSession:
             matmul_flops_per_s=self._matmul_rate,
             datasheet=datasheet_rate(self.engine.device),
             attention_kernels_off=self.attention_kernels_off,
+            init_seconds=dict(self.init_seconds),
         )
 
     def run_phase(self, request: PhaseRequest, batch: dict[str, torch.Tensor]) -> dict[str, Any]:

@@ -20,6 +20,7 @@ thread's stack from ``faulthandler``; the driver reads them when a call times ou
 from __future__ import annotations
 
 import functools
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -114,6 +115,7 @@ class DiffusionDistillationWorker(Worker):
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         device = resolve_device(plan, local_rank)
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+        started = time.perf_counter()
         if not dist.is_initialized():
             dist.init_process_group(
                 backend="nccl" if device.type == "cuda" else "gloo",
@@ -121,7 +123,9 @@ class DiffusionDistillationWorker(Worker):
                 world_size=self.world_size,
                 timeout=timedelta(seconds=plan.trainer.rpc_timeout_s + PROCESS_GROUP_GRACE_S),
             )
+        joined = time.perf_counter() - started
         self.session = RankSession(plan, rank=self.rank, world_size=self.world_size, device=device)
+        self.session.init_seconds = {"process group": joined, **self.session.init_seconds}
         return self.session.describe()
 
     @operation("shutdown")
