@@ -269,6 +269,8 @@ def main() -> int:
     parser.add_argument(
         "--overrides", nargs="*", default=[], help="more overrides for prepare, train and export"
     )
+    parser.add_argument("--no-resume-check", dest="resume_check", action="store_false",
+                        help="train: the straight run only (no SIGTERM, relaunch and comparison)")  # fmt: skip
     args = parser.parse_args()
     stages = args.stages.split(",")
     family, work = args.family, args.work / args.family
@@ -356,6 +358,13 @@ def main() -> int:
             if code != 0:
                 log(f"training failed ({code}); log: {work / 'train_straight.log'}")
                 return 1
+            if not args.resume_check:
+                figures["comparison"] = "not run (--no-resume-check)"
+                save()
+                log("train: the straight run only (--no-resume-check)")
+        if "train" in stages and args.resume_check:
+            figures = report["train"]
+            base = [python, "-m", "verl_dmd.main", "--config-name", recipe, *common, *train]
             command = [*base, f"trainer.output_dir={stopped}"]
             if args.save_every + 1 >= args.steps:
                 log(f"--save-every {args.save_every} leaves no step to stop at before --steps {args.steps}")
