@@ -269,6 +269,10 @@ def main() -> int:
     parser.add_argument(
         "--overrides", nargs="*", default=[], help="more overrides for prepare, train and export"
     )
+    parser.add_argument("--light", action="store_true",
+                        help="one sample per phase and K=1 (batch.*.accumulation_steps=1, "
+                             "algorithm.fake_update_ratio=1): the same path at a fraction of the device time; "
+                             "per-phase figures stay comparable per sample")  # fmt: skip
     parser.add_argument("--no-resume-check", dest="resume_check", action="store_false",
                         help="train: the straight run only (no SIGTERM, relaunch and comparison)")  # fmt: skip
     args = parser.parse_args()
@@ -277,6 +281,7 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     report = json.loads(args.report.read_text()) if args.report.exists() else {}
     report.update({"family": family, "size": args.size, "layers": args.layers, "device": args.device,
+                   "light": args.light, "overrides": args.overrides,
                    "code": code_version(), "torch": torch.__version__,
                    "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None})  # fmt: skip
     pictures = args.pictures or args.report.parent
@@ -298,6 +303,9 @@ def main() -> int:
             "model.param_dtype=float32",
             "prepare.dtype=float32",
         ]
+    if args.light:
+        common += ["batch.student.accumulation_steps=1", "batch.fake_score.accumulation_steps=1",
+                   "algorithm.fake_update_ratio=1"]  # fmt: skip
     common += args.overrides
 
     def save() -> None:
