@@ -270,13 +270,23 @@ def main() -> int:
         "--overrides", nargs="*", default=[], help="more overrides for prepare, train and export"
     )
     parser.add_argument("--light", action="store_true",
-                        help="one sample per phase and K=1 (batch.*.accumulation_steps=1, "
-                             "algorithm.fake_update_ratio=1): the same path at a fraction of the device time; "
+                        help="one sample per phase and K=1 (batch.*.micro_batch_size=1, "
+                             "batch.*.accumulation_steps=1, algorithm.fake_update_ratio=1): the same path at "
+                             "a fraction of the device time; "
                              "per-phase figures stay comparable per sample")  # fmt: skip
     parser.add_argument("--no-resume-check", dest="resume_check", action="store_false",
                         help="train: the straight run only (no SIGTERM, relaunch and comparison)")  # fmt: skip
     args = parser.parse_args()
     stages = args.stages.split(",")
+    unknown = sorted(set(stages) - {"build", "prepare", "train", "export", "serve"})
+    if unknown:
+        parser.error(f"--stages: unknown {unknown}; allowed build, prepare, train, export, serve")
+    if args.steps < 1 or args.save_every < 1:
+        parser.error(f"--steps {args.steps} and --save-every {args.save_every} must be at least 1")
+    if "train" in stages and args.resume_check and args.save_every + 1 >= args.steps:
+        parser.error(f"--save-every {args.save_every} leaves no step to stop at before --steps {args.steps}: "
+                     "the SIGTERM comes one step after the first checkpoint (use --steps 3 --save-every 1 "
+                     "or --no-resume-check)")  # fmt: skip
     family, work = args.family, args.work / args.family
     work.mkdir(parents=True, exist_ok=True)
     report = json.loads(args.report.read_text()) if args.report.exists() else {}
@@ -304,7 +314,8 @@ def main() -> int:
             "prepare.dtype=float32",
         ]
     if args.light:
-        common += ["batch.student.accumulation_steps=1", "batch.fake_score.accumulation_steps=1",
+        common += ["batch.student.micro_batch_size=1", "batch.fake_score.micro_batch_size=1",
+                   "batch.student.accumulation_steps=1", "batch.fake_score.accumulation_steps=1",
                    "algorithm.fake_update_ratio=1"]  # fmt: skip
     common += args.overrides
 
@@ -374,9 +385,6 @@ def main() -> int:
             figures = report["train"]
             base = [python, "-m", "verl_dmd.main", "--config-name", recipe, *common, *train]
             command = [*base, f"trainer.output_dir={stopped}"]
-            if args.save_every + 1 >= args.steps:
-                log(f"--save-every {args.save_every} leaves no step to stop at before --steps {args.steps}")
-                return 2
             stop_env = {**env, "VERL_FILE_LOGGER_PATH": str(work / "metrics_stopped.jsonl")}
             code, seconds, output = run_until_stopped(command, work / "train_stopped.log", stop_env,
                                                       args.save_every + 1, args.steps)  # fmt: skip
