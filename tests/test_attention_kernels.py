@@ -6,8 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from verl_dmd.adapters import available_adapters, get_adapter
-from verl_dmd.runtime.attention import SWITCHES, exclude_attention_kernels
+from verl_dmd.adapters import available_adapters, get_adapter, register_adapter
+from verl_dmd.runtime.attention import (
+    SWITCHES,
+    attention_kernel_state,
+    exclude_attention_kernels,
+    restore_attention_kernels,
+    switch_off_for,
+)
 
 
 @pytest.fixture
@@ -40,3 +46,26 @@ def test_every_adapter_declares_known_kernels_and_flux_excludes_cudnn():
     assert get_adapter("flux").excluded_attention_kernels == ("cudnn",)
     for name in ("sd3", "qwen_image", "wan", "dit"):
         assert get_adapter(name).excluded_attention_kernels == (), name
+
+
+def test_a_rank_switches_off_on_cuda_only_and_gives_the_switches_back(restore_switches):
+    """What RankSession does: nothing on CPU; on CUDA the kernels off, and close() restores the state before."""
+    assert switch_off_for(("cudnn",), "cpu") == (None, ())
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    before, off = switch_off_for(("cudnn",), "cuda:0")  # the switches are flags: no GPU needed to set them
+    assert off == ("cudnn",) and before == {"cudnn": True, "flash": True, "efficient": True}
+    assert attention_kernel_state() == {"cudnn": False, "flash": True, "efficient": True}
+    restore_attention_kernels(before)
+    assert attention_kernel_state() == before
+
+
+def test_registering_an_adapter_with_an_unknown_kernel_fails_in_one_line():
+    base = get_adapter("dit")
+    with pytest.raises(TypeError, match=r"@register_adapter\('bad_kernels'\): excluded_attention_kernels = "
+                                        r"\('flash3',\); allowed: a tuple of cudnn, efficient, flash"):  # fmt: skip
+        register_adapter("bad_kernels")(
+            type("BadKernels", (base,), {"excluded_attention_kernels": ("flash3",)})
+        )
+    with pytest.raises(TypeError, match="excluded_attention_kernels = 'cudnn'"):  # a string, not a tuple
+        register_adapter("bad_kernels")(type("BadKernels", (base,), {"excluded_attention_kernels": "cudnn"}))
+    assert "bad_kernels" not in available_adapters()

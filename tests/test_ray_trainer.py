@@ -60,7 +60,9 @@ def test_sigterm_saves_and_the_same_command_resumes_to_the_same_result(tmp_path)
                       straight.stdout, re.M)  # fmt: skip
     assert ready, straight.stdout[:3000]
     total, *parts, rest = map(float, ready.groups())
-    assert abs(total - sum(parts) - rest) < 0.2 and rest > 0
+    # 7 figures printed to 0.1 s: their sum is within 7 x 0.05 s of the total
+    assert abs(total - sum(parts) - rest) <= 7 * 0.05 + 1e-9 and rest > 0
+    assert all(part >= 0 for part in parts)  # (the digits model builds in under 0.05 s)
 
     command = verl_dmd(f"trainer.output_dir={tmp_path / 'b'}")
     process = subprocess.Popen(

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from verl_dmd.adapters.base import DistributionMatchingModelAdapter
 from verl_dmd.losses import PARAMETERIZATIONS
 from verl_dmd.registry import Registry
+from verl_dmd.runtime.attention import SWITCHES as ATTENTION_SWITCHES
 
 ENTRY_POINT_GROUP = "verl_dmd.adapters"
 
@@ -21,6 +22,12 @@ def _check(name: str, cls: object) -> None:
         )
     if not 0.0 < float(cls.sigma_max) <= 1.0:
         raise TypeError(f"@register_adapter({name!r}): sigma_max = {cls.sigma_max!r}; must lie in (0, 1]")
+    kernels = cls.excluded_attention_kernels
+    if isinstance(kernels, str) or not all(k in ATTENTION_SWITCHES for k in kernels):
+        raise TypeError(
+            f"@register_adapter({name!r}): excluded_attention_kernels = {kernels!r}; allowed: a tuple of "
+            f"{', '.join(sorted(ATTENTION_SWITCHES))}"
+        )
 
 
 ADAPTERS: Registry[type[DistributionMatchingModelAdapter]] = Registry(

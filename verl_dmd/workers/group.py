@@ -314,6 +314,8 @@ class LocalWorkerGroup(WorkerGroup):
 
         import torch.distributed as dist
 
+        if self.session is not None:
+            self.session.close()
         self.session = None  # the models hold the group (see DiffusionDistillationWorker.shutdown)
         gc.collect()
         if self._owns_group and dist.is_initialized():

@@ -66,6 +66,7 @@ class RankSession:
     def __init__(self, plan, *, rank: int, world_size: int, device: torch.device | str = "cpu") -> None:
         from verl_dmd import seeding
         from verl_dmd.adapters import get_adapter
+        from verl_dmd.runtime.attention import switch_off_for
         from verl_dmd.runtime.engine import RoleEngine
         from verl_dmd.runtime.offload import StateOffloader
         from verl_dmd.runtime.runtime import DistillationRoleRuntime
@@ -76,11 +77,9 @@ class RankSession:
         self.plan = plan
         self.rank, self.world_size = rank, world_size
         self.adapter = get_adapter(plan.model.adapter)()
-        self.attention_kernels_off: tuple[str, ...] = ()
-        if torch.device(device).type == "cuda":
-            from verl_dmd.runtime.attention import exclude_attention_kernels
-
-            self.attention_kernels_off = exclude_attention_kernels(self.adapter.excluded_attention_kernels)
+        self._attention_before, self.attention_kernels_off = switch_off_for(
+            self.adapter.excluded_attention_kernels, device
+        )
         self.computer = self.adapter.build_distribution_matching_computer(plan.model, plan, rank=rank)
         self.engine = RoleEngine(
             plan, self.adapter, device=device, extra_modules=self.computer.extra_modules()
@@ -112,6 +111,14 @@ class RankSession:
             attention_kernels_off=self.attention_kernels_off,
             init_seconds=dict(self.init_seconds),
         )
+
+    def close(self) -> None:
+        """Give back what this session changed in the process: the attention kernels it switched off."""
+        if self._attention_before is not None:
+            from verl_dmd.runtime.attention import restore_attention_kernels
+
+            restore_attention_kernels(self._attention_before)
+            self._attention_before = None
 
     def run_phase(self, request: PhaseRequest, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
         self.wake()

@@ -137,6 +137,8 @@ class DiffusionDistillationWorker(Worker):
         # Free the models first: their DTensors hold the process group through the device mesh, and
         # a group that outlives destroy_process_group until interpreter exit can abort the process
         # ("terminate called without an active exception", seen in 2-rank gloo tests).
+        if self.session is not None:
+            self.session.close()
         self.session = None
         gc.collect()
         if dist.is_initialized():
