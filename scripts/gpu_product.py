@@ -14,6 +14,8 @@ be split over several invocations):
 - train: `python -m verl_dmd.main` with ray (one worker per GPU) twice: straight to --steps, and again
   into another directory, stopped by SIGTERM after the step following the first periodic checkpoint,
   then relaunched with the same command; the two final checkpoints are compared file by file;
+- resume: that second half alone (the SIGTERM pair and the comparison), against the straight run an earlier
+  `--stages train --no-resume-check` left in --work: a large family's training in two device calls;
 - export: `python -m verl_dmd.export_main` of the straight run's final checkpoint (timed);
 - serve: the exported `pipeline` directory loaded with `DiffusionPipeline.from_pretrained` and called
   as docs/serving.md says for the family (prompt text, the block's steps and guidance); a PNG per prompt.
@@ -246,6 +248,17 @@ def serve(
             "sample_s": sample_s, "prompts": len(VALIDATION_PROMPTS), "pictures": saved}  # fmt: skip
 
 
+def gpu_name() -> str | None:
+    """The device's name from nvidia-smi: this process starts no CUDA context (it would hold GPU memory
+    beside the workers' for the whole run)."""
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.splitlines()[0].strip() if done.stdout.strip() else None
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -278,12 +291,14 @@ def main() -> int:
                         help="train: the straight run only (no SIGTERM, relaunch and comparison)")  # fmt: skip
     args = parser.parse_args()
     stages = args.stages.split(",")
-    unknown = sorted(set(stages) - {"build", "prepare", "train", "export", "serve"})
+    unknown = sorted(set(stages) - {"build", "prepare", "train", "resume", "export", "serve"})
     if unknown:
-        parser.error(f"--stages: unknown {unknown}; allowed build, prepare, train, export, serve")
+        parser.error(f"--stages: unknown {unknown}; allowed build, prepare, train, resume, export, serve")
+    if "resume" in stages and not args.resume_check:
+        parser.error("--stages resume is the SIGTERM/resume check; it cannot go with --no-resume-check")
     if args.steps < 1 or args.save_every < 1:
         parser.error(f"--steps {args.steps} and --save-every {args.save_every} must be at least 1")
-    if "train" in stages and args.resume_check and args.save_every + 1 >= args.steps:
+    if {"train", "resume"} & set(stages) and args.resume_check and args.save_every + 1 >= args.steps:
         parser.error(f"--save-every {args.save_every} leaves no step to stop at before --steps {args.steps}: "
                      "the SIGTERM comes one step after the first checkpoint (use --steps 3 --save-every 1 "
                      "or --no-resume-check)")  # fmt: skip
@@ -293,7 +308,7 @@ def main() -> int:
     report.update({"family": family, "size": args.size, "layers": args.layers, "device": args.device,
                    "light": args.light, "overrides": args.overrides,
                    "code": code_version(), "torch": torch.__version__,
-                   "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None})  # fmt: skip
+                   "gpu": gpu_name() if args.device == "cuda" else None})  # fmt: skip
     pictures = args.pictures or args.report.parent
     pictures.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -381,8 +396,14 @@ def main() -> int:
                 figures["comparison"] = "not run (--no-resume-check)"
                 save()
                 log("train: the straight run only (--no-resume-check)")
-        if "train" in stages and args.resume_check:
-            figures = report["train"]
+        if "resume" in stages and "train" not in stages and not (straight / "checkpoints").is_dir():
+            log(f"--stages resume compares against the straight run, and {straight} has none: run the train stage "
+                "first (with --no-resume-check to keep the two apart)")
+            return 1
+        if ("train" in stages and args.resume_check) or "resume" in stages:
+            figures = report.setdefault("train", {})
+            if stopped.exists():
+                shutil.rmtree(stopped)
             base = [python, "-m", "verl_dmd.main", "--config-name", recipe, *common, *train]
             command = [*base, f"trainer.output_dir={stopped}"]
             stop_env = {**env, "VERL_FILE_LOGGER_PATH": str(work / "metrics_stopped.jsonl")}
