@@ -397,8 +397,10 @@ def main() -> int:
                 save()
                 log("train: the straight run only (--no-resume-check)")
         if "resume" in stages and "train" not in stages and not (straight / "checkpoints").is_dir():
-            log(f"--stages resume compares against the straight run, and {straight} has none: run the train stage "
-                "first (with --no-resume-check to keep the two apart)")
+            log(
+                f"--stages resume compares against the straight run, and {straight} has none: run the train stage "
+                "first (with --no-resume-check to keep the two apart)"
+            )
             return 1
         if ("train" in stages and args.resume_check) or "resume" in stages:
             figures = report.setdefault("train", {})

@@ -80,3 +80,17 @@ def test_a_skipped_student_phase_does_not_close_the_cycle():
 def test_denominators_on_a_cpu():
     assert datasheet_rate("cpu") is None
     assert measure_matmul_rate("cpu") is None
+
+
+def test_the_progress_line_shows_small_losses_with_four_significant_digits():
+    # A fake score that starts at the teacher gives DMD losses of ~1e-5 (the H200 Qwen-Image run): at four
+    # decimals the line read 0.0000, as if nothing were trained.
+    from verl_dmd.trainer.ray_trainer import _Progress
+
+    lines = []
+    progress = _Progress(total=3, start=0, enabled=True, log=lines.append)
+    progress.update(
+        3, "student", {"student/dmd_loss": 1.3836373e-05, "fake_score/fake_loss": 1.9774309, "x": 0.5}
+    )
+    assert len(lines) == 1
+    assert "dmd_loss 1.384e-05" in lines[0] and "fake_loss 1.977" in lines[0], lines[0]

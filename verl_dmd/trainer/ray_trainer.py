@@ -94,7 +94,7 @@ class _Progress:
             if "perf/cycle/mfu" in metrics:
                 extra["MFU"] = f"{metrics['perf/cycle/mfu']:.1%}"
             self.bar.set_postfix(
-                phase=phase, **{k: f"{v:.4f}" for k, v in losses.items()}, **extra, refresh=False
+                phase=phase, **{k: f"{v:.4g}" for k, v in losses.items()}, **extra, refresh=False
             )
             self.bar.refresh()
             return
@@ -104,7 +104,7 @@ class _Progress:
         done = step - self.start
         rate = done / elapsed if elapsed > 0 and done > 0 else float("nan")
         eta = (self.total - step) / rate if rate == rate and rate > 0 else float("nan")
-        shown = "  ".join(f"{k} {v:.4f}" for k, v in losses.items())
+        shown = "  ".join(f"{k} {v:.4g}" for k, v in losses.items())  # 4 significant: 1.4e-05, not 0.0000
         perf = throughput.describe(metrics)
         self.log(
             f"step {step:6d}/{self.total}  {shown}  {rate:6.2f} steps/s  elapsed {elapsed:6.1f}s  eta {eta:6.1f}s"
