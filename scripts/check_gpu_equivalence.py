@@ -49,6 +49,21 @@ KERNELS = ("flash", "efficient", "math", "cudnn", "default")
 # and cast after): "bfloat16+fp32-time" keeps them, as the engine does since ba7b92c
 # (adapter.full_precision_inputs); "bfloat16" casts them, as FSDP2's own input cast did before.
 FULL_PRECISION_INPUTS = ("timestep", "guidance")
+# The transformers' time embedders (the first of these a model has): where a model that rounds its level
+# hands on level x 1000 (Flux: `timestep.to(hidden_states.dtype) * 1000`, a product rounded in bf16).
+EMBEDDERS = ("time_text_embed", "condition_embedder")
+
+
+def time_embedder(model):
+    for name in EMBEDDERS:
+        if hasattr(model, name):
+            return getattr(model, name)
+    return None
+
+
+def _per_sample(value) -> bool:
+    """The embedder's per-sample level and guidance (1-d floats), not its pooled text or hidden states."""
+    return isinstance(value, torch.Tensor) and value.is_floating_point() and value.ndim == 1
 
 
 def transformer_config(family: str, layers: int, tiny: bool) -> dict:
@@ -132,11 +147,15 @@ def model_inputs(inputs, round_time: torch.dtype | None) -> tuple:
 
 def lora_gradients(adapter, model, inputs, dtype: torch.dtype, device: torch.device, kernel: str,
                    keep: tuple[str, ...] = (), round_time: torch.dtype | None = None,
-                   backward: bool = True) -> dict:  # fmt: skip
+                   backward: bool = True, round_embedder: torch.dtype | None = None,
+                   capture: list | None = None) -> dict:  # fmt: skip
     """The LoRA gradients of one loss. In bf16 the model's floating inputs are cast to bf16 at its forward, as
     FSDP2's mixed precision casts a root module's inputs, except the keyword inputs named in `keep`.
     `round_time`: the model is called with the level and guidance rounded through that dtype (the reference
-    of a model that rounds them itself). backward=False: the prediction only (float32, CPU)."""
+    of a model that rounds them itself). `round_embedder`: the per-sample floats its time embedder receives
+    (level x 1000, guidance x 1000) rounded through that dtype too, as a model that scales them in its own
+    dtype computes them; `capture` collects those floats (float32, CPU). backward=False: the prediction only
+    (float32, CPU)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     x0, noise, sigma, _ = inputs
@@ -160,6 +179,25 @@ def lora_gradients(adapter, model, inputs, dtype: torch.dtype, device: torch.dev
             ),
             with_kwargs=True,
         )
+    embedder = time_embedder(work)
+    if embedder is not None and (round_embedder is not None or capture is not None):
+
+        def at_embedder(module, args, kwargs):
+            if capture is not None:
+                capture.append(
+                    [v.detach().float().cpu() for v in (*args, *kwargs.values()) if _per_sample(v)]
+                )
+            if round_embedder is None:
+                return None
+
+            def rounded(v):
+                return v.to(round_embedder).to(v.dtype) if _per_sample(v) else v
+
+            return tuple(rounded(a) for a in args), {k: rounded(v) for k, v in kwargs.items()}
+
+        embedder_handle = embedder.register_forward_pre_hook(at_embedder, with_kwargs=True)
+    else:
+        embedder_handle = None
     s = sigma.to(device).view(-1, *([1] * (x0.ndim - 1)))
     x_t = (1 - s) * x0.to(device) + s * noise.to(device)
     target = noise.to(device) - x0.to(device)
@@ -176,6 +214,8 @@ def lora_gradients(adapter, model, inputs, dtype: torch.dtype, device: torch.dev
     finally:
         if handle is not None:
             handle.remove()
+        if embedder_handle is not None:
+            embedder_handle.remove()
     return {n: p.grad.detach().float().cpu() for n, p in work.named_parameters() if "lora_" in n}
 
 
@@ -246,15 +286,35 @@ def check_family(family: str, args, device: torch.device) -> dict:
     probe = [lora_gradients(adapter, model, inputs, torch.bfloat16, device, "math", FULL_PRECISION_INPUTS,
                             round_time=r, backward=False)["prediction"] for r in (None, torch.bfloat16)]  # fmt: skip
     rounds_time = bool(torch.equal(probe[0], probe[1]))
-    like = reference
+    # A model that rounds its level may also scale it in its own dtype before its time embedder (Flux:
+    # level x 1000 in bf16, where neighbouring values lie 2 apart near 300 and 16 apart near 3500: guidance
+    # 3.5 reaches the embedder as 3504). Probed: the per-sample floats the bf16 model's embedder receives equal
+    # the float32 model's (fed the rounded level) rounded to bf16, and differ from them unrounded.
+    scaled_in_dtype = False
     if rounds_time:
-        like = lora_gradients(
-            adapter, model, inputs, torch.float32, device, "math", round_time=torch.bfloat16
+        seen_bf16, seen_fp32 = [], []
+        lora_gradients(adapter, model, inputs, torch.bfloat16, device, "math", FULL_PRECISION_INPUTS,
+                       round_time=torch.bfloat16, backward=False, capture=seen_bf16)  # fmt: skip
+        lora_gradients(adapter, model, inputs, torch.float32, device, "math", round_time=torch.bfloat16,
+                       backward=False, capture=seen_fp32)  # fmt: skip
+        if seen_bf16 and seen_fp32 and len(seen_bf16[0]) == len(seen_fp32[0]) > 0:
+            pairs = list(zip(seen_bf16[0], seen_fp32[0], strict=True))
+            scaled_in_dtype = all(torch.equal(b, f.to(torch.bfloat16).float()) for b, f in pairs) and any(
+                not torch.equal(b, f) for b, f in pairs
+            )
+    like, like_name = reference, None
+    if rounds_time:
+        like = lora_gradients(adapter, model, inputs, torch.float32, device, "math", round_time=torch.bfloat16,
+                              round_embedder=torch.bfloat16 if scaled_in_dtype else None)  # fmt: skip
+        like_name = "float32 with the level rounded to bf16, as the model rounds it" + (
+            ", and level x 1000 and guidance x 1000 rounded to bf16 at the time embedder, as the model scales them"
+            if scaled_in_dtype
+            else ""
         )
     head_dim = config.get("attention_head_dim")
     result = {"family": family, "config": config, "head_dim": head_dim, "tokens": args.tokens, "text": args.text,
               "batch": args.batch, "rank": args.rank, "lora_tensors": len(reference), "checks": {},
-              "model_rounds_time": rounds_time}  # fmt: skip
+              "model_rounds_time": rounds_time, "model_scales_time_in_its_dtype": scaled_in_dtype}  # fmt: skip
     heads = config.get("num_attention_heads")
     if heads and head_dim:  # the op alone first (a kernel that faults ends the process)
         result["sdpa_ops"] = sdpa_ops(heads, head_dim, args.tokens + args.text, args.batch, device)
@@ -275,7 +335,7 @@ def check_family(family: str, args, device: torch.device) -> dict:
             if dtype != torch.float32 and rounds_time:
                 # judged against the float32 model fed the level this model rounds to; the plain figure kept
                 entry = {**compare(got, like), "against_exact_level": compare(got, reference),
-                         "reference": "float32 with the level rounded to bf16, as the model rounds it"}  # fmt: skip
+                         "reference": like_name}  # fmt: skip
             entry["bound"], entry["ok"] = bound, entry["relative_l2"] <= bound
             result["checks"][name] = entry
     result["ok"] = all(c.get("ok", True) for c in result["checks"].values())
@@ -312,7 +372,8 @@ def main(argv=None) -> int:
         print(f"{family} (head dim {result['head_dim']}): " + "; ".join(
             f"{name} {c['relative_l2']:.2e}{'' if c['ok'] else ' FAIL'}" if "relative_l2" in c else f"{name} n/a"
             for name, c in result["checks"].items()), flush=True)  # fmt: skip
-        print(f"  {family} rounds its timestep itself: {result['model_rounds_time']}; the attention op alone: "
+        print(f"  {family} rounds its timestep itself: {result['model_rounds_time']}, scales it in its dtype: "
+              f"{result['model_scales_time_in_its_dtype']}; the attention op alone: "
               + "; ".join(f"{name} {c['relative_l2']:.2e}{'' if c['ok'] else ' FAIL'}" if "relative_l2" in c
                           else f"{name} n/a" for name, c in result.get("sdpa_ops", {}).items()), flush=True)  # fmt: skip
     return 0 if all(r["ok"] for r in results) else 1
