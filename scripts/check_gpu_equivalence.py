@@ -14,6 +14,13 @@ latent tokens and `--text` text tokens. Its LoRA gradients are taken:
   diffusers' pipelines call a bf16 transformer and the engine now does ("bfloat16+fp32-time");
 - float32 with the default kernel (TF32 off): a check of the fused kernels themselves in float32.
 
+A model that rounds its level to its own dtype itself (Flux, Qwen-Image: probed) is judged against the
+float32 model fed the rounded level; one that also scales it by 1000 in its own dtype before its time
+embedder (Flux: a bf16 product, probed) against the float32 model fed those rounded products too. Both
+are the bf16 model as served, not errors of the engine; the report keeps the figure against the exact
+level beside them. The attention op alone is checked first, per kernel, with a contiguous and with a
+sliced output gradient.
+
 Tolerance, fixed before any run: bf16 keeps 8 significant bits (unit roundoff u = 2^-8 = 3.9e-3). A
 gradient after a few blocks of bf16 matmuls (inner dimensions 3072-18944, accumulated in float32 by the
 kernels) and a bf16 attention carries relative errors of a few u; the bound is 0.05 = 13 u on the

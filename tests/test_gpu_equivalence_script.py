@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 def test_tiny_families_against_the_float32_reference(tmp_path):
     out = tmp_path / "equivalence.json"
     command = [sys.executable, str(ROOT / "scripts" / "check_gpu_equivalence.py"), "--device", "cpu", "--tiny",
-               "--families", "sd3", "flux", "wan", "--tokens", "16", "--text", "4", "--json", str(out)]  # fmt: skip
+               "--families", "sd3", "flux", "wan", "qwen_image", "--tokens", "16", "--text", "4", "--json", str(out)]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert out.is_file(), result.stderr[-3000:]
     report = {r["family"]: r for r in json.loads(out.read_text())["results"]}
@@ -45,6 +45,12 @@ def test_tiny_families_against_the_float32_reference(tmp_path):
     # what is left is arithmetic, smaller than against the exact level.
     assert report["flux"]["model_rounds_time"] and not report["sd3"]["model_rounds_time"]
     assert not report["wan"]["model_rounds_time"]
+    # Flux also scales the rounded level by 1000 in bf16 before its time embedder (a bf16 product), Qwen-Image
+    # in float32 inside its embedder: the probe tells them apart, and Flux's reference rounds the products too.
+    assert report["flux"]["model_scales_time_in_its_dtype"] and report["qwen_image"]["model_rounds_time"]
+    assert not any(report[f]["model_scales_time_in_its_dtype"] for f in ("sd3", "wan", "qwen_image"))
+    assert "x 1000" in flux["bfloat16/default"]["reference"]
+    assert "x 1000" not in report["qwen_image"]["checks"]["bfloat16/default"]["reference"]
     for name in ("bfloat16/default", "bfloat16+fp32-time/default"):
         assert flux[name]["relative_l2"] < flux[name]["against_exact_level"]["relative_l2"], flux[name]
     # the attention op alone, with a contiguous and a sliced output gradient, per kernel the device has
