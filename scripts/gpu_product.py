@@ -15,7 +15,8 @@ be split over several invocations):
   into another directory, stopped by SIGTERM after the step following the first periodic checkpoint,
   then relaunched with the same command; the two final checkpoints are compared file by file;
 - resume: that second half alone (the SIGTERM pair and the comparison), against the straight run an earlier
-  `--stages train --no-resume-check` left in --work: a large family's training in two device calls;
+  `--stages train --no-resume-check` left in --work and the report (refused unless that run finished with
+  the same command and code): a large family's training in two device calls;
 - export: `python -m verl_dmd.export_main` of the straight run's final checkpoint (timed);
 - serve: the exported `pipeline` directory loaded with `DiffusionPipeline.from_pretrained` and called
   as docs/serving.md says for the family (prompt text, the block's steps and guidance); a PNG per prompt.
@@ -298,10 +299,11 @@ def main() -> int:
         parser.error("--stages resume is the SIGTERM/resume check; it cannot go with --no-resume-check")
     if args.steps < 1 or args.save_every < 1:
         parser.error(f"--steps {args.steps} and --save-every {args.save_every} must be at least 1")
-    if {"train", "resume"} & set(stages) and args.resume_check and args.save_every + 1 >= args.steps:
-        parser.error(f"--save-every {args.save_every} leaves no step to stop at before --steps {args.steps}: "
-                     "the SIGTERM comes one step after the first checkpoint (use --steps 3 --save-every 1 "
-                     "or --no-resume-check)")  # fmt: skip
+    if {"train", "resume"} & set(stages) and args.resume_check and not 2 <= args.save_every < args.steps - 1:
+        parser.error(f"--save-every {args.save_every} with --steps {args.steps}: the SIGTERM comes one step after "
+                     "the first periodic checkpoint, and that step must be neither a checkpoint step (the signal's "
+                     "own save would be skipped as a duplicate, untested) nor the last: --save-every at least 2 "
+                     "and --steps above it by 2 (e.g. --steps 4 --save-every 2), or --no-resume-check")  # fmt: skip
     family, work = args.family, args.work / args.family
     work.mkdir(parents=True, exist_ok=True)
     report = json.loads(args.report.read_text()) if args.report.exists() else {}
@@ -384,7 +386,7 @@ def main() -> int:
             command = [*base, f"trainer.output_dir={straight}"]
             code, seconds, output = run(command, work / "train_straight.log",
                                         {**env, "VERL_FILE_LOGGER_PATH": str(work / "metrics_straight.jsonl")})  # fmt: skip
-            figures["straight"] = {"seconds": seconds, "exit": code, **log_figures(output),
+            figures["straight"] = {"seconds": seconds, "exit": code, "code": code_version(), **log_figures(output),
                                    "metrics": summarise_metrics(metrics_of(work / "metrics_straight.jsonl")),
                                    "command": command}  # fmt: skip
             report["train"] = figures
@@ -396,22 +398,47 @@ def main() -> int:
                 figures["comparison"] = "not run (--no-resume-check)"
                 save()
                 log("train: the straight run only (--no-resume-check)")
-        if "resume" in stages and "train" not in stages and not (straight / "checkpoints").is_dir():
-            log(
-                f"--stages resume compares against the straight run, and {straight} has none: run the train stage "
-                "first (with --no-resume-check to keep the two apart)"
-            )
-            return 1
         if ("train" in stages and args.resume_check) or "resume" in stages:
             figures = report.setdefault("train", {})
+            base = [python, "-m", "verl_dmd.main", "--config-name", recipe, *common, *train]
+            if "train" not in stages:  # the straight run of an earlier invocation: the same run, finished
+                earlier = figures.get("straight", {})
+                problem = None
+                if not (straight / "checkpoints" / f"global_step_{args.steps}").is_dir():
+                    problem = f"{straight} has no checkpoint global_step_{args.steps}"
+                elif earlier.get("exit") != 0:
+                    problem = f"the report's straight run exited {earlier.get('exit')}"
+                elif earlier.get("command") != [*base, f"trainer.output_dir={straight}"]:
+                    problem = (
+                        "the report's straight run used another command (steps, overrides, --light or paths)"
+                    )
+                elif earlier.get("code") != code_version():
+                    problem = f"the straight run ran code {earlier.get('code')}, this is {code_version()}"
+                if problem:
+                    log(f"--stages resume compares against the straight run of an earlier --stages train, but "
+                        f"{problem}: run --stages train --no-resume-check with these arguments first")  # fmt: skip
+                    return 1
+            for stale in (
+                "stopped",
+                "resumed",
+                "comparison",
+                "checkpoints",
+                "checkpoint_bytes",
+                "sigterm_exit",
+            ):
+                figures.pop(stale, None)
             if stopped.exists():
                 shutil.rmtree(stopped)
-            base = [python, "-m", "verl_dmd.main", "--config-name", recipe, *common, *train]
             command = [*base, f"trainer.output_dir={stopped}"]
             stop_env = {**env, "VERL_FILE_LOGGER_PATH": str(work / "metrics_stopped.jsonl")}
             code, seconds, output = run_until_stopped(command, work / "train_stopped.log", stop_env,
                                                       args.save_every + 1, args.steps)  # fmt: skip
-            figures["stopped"] = {"seconds": seconds, "exit": code, **log_figures(output)}
+            figures["stopped"] = {
+                "seconds": seconds,
+                "exit": code,
+                "code": code_version(),
+                **log_figures(output),
+            }
             if code != 128 + signal.SIGTERM or "stopped by SIGTERM" not in output:
                 log(
                     f"the stopped run did not stop on SIGTERM (exit {code}); log: {work / 'train_stopped.log'}"
@@ -420,7 +447,12 @@ def main() -> int:
                 return 1
             stop_env["VERL_FILE_LOGGER_PATH"] = str(work / "metrics_resumed.jsonl")
             code2, seconds, output = run(command, work / "train_resumed.log", stop_env)
-            figures["resumed"] = {"seconds": seconds, "exit": code2, **log_figures(output)}
+            figures["resumed"] = {
+                "seconds": seconds,
+                "exit": code2,
+                "code": code_version(),
+                **log_figures(output),
+            }
             if code2 == 0 and "resumed from" not in output:
                 log("the relaunch did not resume from a checkpoint")
                 code2 = 1

@@ -53,10 +53,27 @@ def test_a_rank_switches_off_on_cuda_only_and_gives_the_switches_back(restore_sw
     assert switch_off_for(("cudnn",), "cpu") == (None, ())
     assert torch.backends.cuda.cudnn_sdp_enabled()
     before, off = switch_off_for(("cudnn",), "cuda:0")  # the switches are flags: no GPU needed to set them
-    assert off == ("cudnn",) and before == {"cudnn": True, "flash": True, "efficient": True}
+    assert off == ("cudnn",) and before == {"cudnn": True}
     assert attention_kernel_state() == {"cudnn": False, "flash": True, "efficient": True}
+    torch.backends.cuda.enable_flash_sdp(False)  # someone else's switch, changed during the session
     restore_attention_kernels(before)
-    assert attention_kernel_state() == before
+    assert attention_kernel_state() == {"cudnn": True, "flash": False, "efficient": True}
+
+
+def test_a_session_that_fails_to_build_gives_the_switches_back(restore_switches, monkeypatch):
+    from runtime_scenarios import make_plan
+
+    from verl_dmd.workers.session import RankSession
+
+    flux = get_adapter("flux")
+
+    def fail(self, *args, **kwargs):
+        raise MemoryError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(flux, "build_distribution_matching_computer", fail)
+    with pytest.raises(MemoryError, match="simulated"):
+        RankSession(make_plan("flux", "shared_base_adapters"), rank=0, world_size=1, device="cuda:0")
+    assert attention_kernel_state() == {"cudnn": True, "flash": True, "efficient": True}
 
 
 def test_registering_an_adapter_with_an_unknown_kernel_fails_in_one_line():

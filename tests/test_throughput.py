@@ -82,10 +82,14 @@ def test_denominators_on_a_cpu():
     assert measure_matmul_rate("cpu") is None
 
 
-def test_the_progress_line_shows_small_losses_with_four_significant_digits():
+def test_the_progress_line_shows_small_losses_with_four_significant_digits(monkeypatch):
     # A fake score that starts at the teacher gives DMD losses of ~1e-5 (the H200 Qwen-Image run): at four
     # decimals the line read 0.0000, as if nothing were trained.
+    import io
+
     from verl_dmd.trainer.ray_trainer import _Progress
+
+    monkeypatch.setattr("sys.stderr", io.StringIO())  # not a terminal, also under `pytest -s`: the line form
 
     lines = []
     progress = _Progress(total=3, start=0, enabled=True, log=lines.append)

@@ -12,6 +12,9 @@ from torch import nn
 
 from verl_dmd import losses
 
+ATTENTION_KERNELS = ("cudnn", "efficient", "flash")
+"""The scaled-dot-product-attention kernels torch has a switch for (verl_dmd.runtime.attention switches them)."""
+
 
 @dataclass(frozen=True)
 class ModelSource:
@@ -69,8 +72,8 @@ class DistributionMatchingModelAdapter:
     floating input is cast to the compute dtype at the model's forward. A timestep of 1000 sigma cast to
     bf16 would move by up to 2 near 1000 (bf16's spacing there is 4)."""
     excluded_attention_kernels: ClassVar[tuple[str, ...]] = ()
-    """Scaled-dot-product-attention kernels (`cudnn`, `flash`, `efficient`) this family must not run on
-    CUDA: each rank switches them off before building its models (torch then picks among the rest)."""
+    """Scaled-dot-product-attention kernels (of ATTENTION_KERNELS) this family must not run on CUDA: each
+    rank switches them off before building its models (torch then picks among the rest)."""
     pipeline_component: ClassVar[str] = "transformer"
     """The model's name in its diffusers pipeline (model_index.json; LoRA keys' prefix)."""
     tiny_config: ClassVar[dict[str, Any]] = {}

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from verl_dmd.adapters.base import DistributionMatchingModelAdapter
+from verl_dmd.adapters.base import ATTENTION_KERNELS, DistributionMatchingModelAdapter
 from verl_dmd.losses import PARAMETERIZATIONS
 from verl_dmd.registry import Registry
-from verl_dmd.runtime.attention import SWITCHES as ATTENTION_SWITCHES
 
 ENTRY_POINT_GROUP = "verl_dmd.adapters"
 
@@ -23,10 +22,10 @@ def _check(name: str, cls: object) -> None:
     if not 0.0 < float(cls.sigma_max) <= 1.0:
         raise TypeError(f"@register_adapter({name!r}): sigma_max = {cls.sigma_max!r}; must lie in (0, 1]")
     kernels = cls.excluded_attention_kernels
-    if isinstance(kernels, str) or not all(k in ATTENTION_SWITCHES for k in kernels):
+    if isinstance(kernels, str) or not all(k in ATTENTION_KERNELS for k in kernels):
         raise TypeError(
             f"@register_adapter({name!r}): excluded_attention_kernels = {kernels!r}; allowed: a tuple of "
-            f"{', '.join(sorted(ATTENTION_SWITCHES))}"
+            f"{', '.join(sorted(ATTENTION_KERNELS))}"
         )
 
 

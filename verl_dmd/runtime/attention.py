@@ -7,11 +7,16 @@ from collections.abc import Iterable
 
 import torch
 
+from verl_dmd.adapters.base import ATTENTION_KERNELS
+
 SWITCHES = {
     "cudnn": torch.backends.cuda.enable_cudnn_sdp,
     "flash": torch.backends.cuda.enable_flash_sdp,
     "efficient": torch.backends.cuda.enable_mem_efficient_sdp,
 }
+assert sorted(SWITCHES) == sorted(ATTENTION_KERNELS), (
+    "verl_dmd.adapters.base.ATTENTION_KERNELS names the switches"
+)
 
 ENABLED = {
     "cudnn": torch.backends.cuda.cudnn_sdp_enabled,
@@ -53,8 +58,11 @@ def exclude_attention_kernels(kernels: Iterable[str]) -> tuple[str, ...]:
 def switch_off_for(
     kernels: Iterable[str], device: torch.device | str
 ) -> tuple[dict[str, bool] | None, tuple[str, ...]]:
-    """A rank's exclusions: on CUDA, the switches as they were and the kernels now off; elsewhere (None, ())."""
+    """A rank's exclusions: on CUDA, the excluded kernels' switches as they were and the kernels now off
+    (restoring the first touches those switches only); elsewhere (None, ())."""
     if torch.device(device).type != "cuda":
         return None, ()
-    before = attention_kernel_state()
+    kernels = tuple(kernels)
+    check_kernel_names(kernels, "adapter")
+    before = {kernel: on for kernel, on in attention_kernel_state().items() if kernel in kernels}
     return before, exclude_attention_kernels(kernels)

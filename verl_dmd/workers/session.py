@@ -80,16 +80,20 @@ class RankSession:
         self._attention_before, self.attention_kernels_off = switch_off_for(
             self.adapter.excluded_attention_kernels, device
         )
-        self.computer = self.adapter.build_distribution_matching_computer(plan.model, plan, rank=rank)
-        self.engine = RoleEngine(
-            plan, self.adapter, device=device, extra_modules=self.computer.extra_modules()
-        )
-        self.runtime = DistillationRoleRuntime(self.engine, self.computer)
-        self.init_seconds: dict[str, float] = dict(self.engine.init_seconds)
-        packing = plan.resources.offload_packing
-        self.offloader = StateOffloader(
-            self.engine, pack=packing, **({} if packing else {"coalesce_below": 0})
-        )
+        try:  # a session that fails to build (out of memory, a bad checkpoint) gives the switches back
+            self.computer = self.adapter.build_distribution_matching_computer(plan.model, plan, rank=rank)
+            self.engine = RoleEngine(
+                plan, self.adapter, device=device, extra_modules=self.computer.extra_modules()
+            )
+            self.runtime = DistillationRoleRuntime(self.engine, self.computer)
+            self.init_seconds: dict[str, float] = dict(self.engine.init_seconds)
+            packing = plan.resources.offload_packing
+            self.offloader = StateOffloader(
+                self.engine, pack=packing, **({} if packing else {"coalesce_below": 0})
+            )
+        except BaseException:
+            self.close()
+            raise
 
     def describe(self) -> WorkerInfo:
         """What the driver needs to know about the model."""
