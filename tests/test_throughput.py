@@ -97,4 +97,4 @@ def test_the_progress_line_shows_small_losses_with_four_significant_digits(monke
         3, "student", {"student/dmd_loss": 1.3836373e-05, "fake_score/fake_loss": 1.9774309, "x": 0.5}
     )
     assert len(lines) == 1
-    assert "dmd_loss 1.384e-05" in lines[0] and "fake_loss 1.977" in lines[0], lines[0]
+    assert "dmd_loss 1.384e-05" in lines[0] and "fake_loss 1.9774" in lines[0], lines[0]

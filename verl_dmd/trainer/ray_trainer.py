@@ -64,6 +64,11 @@ def build_validator(plan, group, info):
         raise TrainerError(str(err).splitlines()[0]) from None
 
 
+def _loss(value: float) -> str:
+    """Four decimals, or four significant digits below 1e-3 (a DMD loss of 1.4e-05 is not 0.0000)."""
+    return f"{value:.4f}" if value == 0 or abs(value) >= 1e-3 else f"{value:.3e}"
+
+
 class _Progress:
     """A tqdm bar on a terminal; otherwise a line every 5% of the run (and at the end)."""
 
@@ -94,7 +99,7 @@ class _Progress:
             if "perf/cycle/mfu" in metrics:
                 extra["MFU"] = f"{metrics['perf/cycle/mfu']:.1%}"
             self.bar.set_postfix(
-                phase=phase, **{k: f"{v:.4g}" for k, v in losses.items()}, **extra, refresh=False
+                phase=phase, **{k: _loss(v) for k, v in losses.items()}, **extra, refresh=False
             )
             self.bar.refresh()
             return
@@ -104,7 +109,7 @@ class _Progress:
         done = step - self.start
         rate = done / elapsed if elapsed > 0 and done > 0 else float("nan")
         eta = (self.total - step) / rate if rate == rate and rate > 0 else float("nan")
-        shown = "  ".join(f"{k} {v:.4g}" for k, v in losses.items())  # 4 significant: 1.4e-05, not 0.0000
+        shown = "  ".join(f"{k} {_loss(v)}" for k, v in losses.items())
         perf = throughput.describe(metrics)
         self.log(
             f"step {step:6d}/{self.total}  {shown}  {rate:6.2f} steps/s  elapsed {elapsed:6.1f}s  eta {eta:6.1f}s"
