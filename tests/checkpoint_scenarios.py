@@ -26,8 +26,8 @@ from verl_dmd.runtime.engine import RoleEngine
 from verl_dmd.runtime.runtime import DistillationRoleRuntime
 
 
-def _build(family: str, layout: str):
-    plan = make_plan(family, layout)
+def _build(family: str, layout: str, overrides: dict | None = None):
+    plan = make_plan(family, layout, **(overrides or {}))
     adapter = get_adapter(family)()
     engine = RoleEngine(plan, adapter)
     runtime = DistillationRoleRuntime(engine, ReferenceRegressionComputer(adapter))
@@ -49,9 +49,12 @@ def snapshot(engine) -> dict:
     return {"tensors": tensors, "schedule": schedule_state(engine)}
 
 
-def save_then_continue(rank: int, world_size: int, family: str, layout: str, directory: str, n: int) -> dict:
-    """n phases (the fake warm-up and a student step among them), save, then n more phases."""
-    adapter, engine, runtime, controller = _build(family, layout)
+def save_then_continue(
+    rank: int, world_size: int, family: str, layout: str, directory: str, n: int, overrides: dict | None = None
+) -> dict:
+    """n phases (the fake warm-up and a student step among them), save, then n more phases; `overrides`:
+    plan keys (make_plan's dotted form)."""
+    adapter, engine, runtime, controller = _build(family, layout, overrides)
     _run(adapter, engine, runtime, controller, rank, world_size, range(n))
     save_engine(engine, directory)
     saved = {**snapshot(engine), "controller": controller.state_dict()}
@@ -60,10 +63,17 @@ def save_then_continue(rank: int, world_size: int, family: str, layout: str, dir
 
 
 def load_and_continue(
-    rank: int, world_size: int, family: str, layout: str, directory: str, n: int, saved: dict
+    rank: int,
+    world_size: int,
+    family: str,
+    layout: str,
+    directory: str,
+    n: int,
+    saved: dict,
+    overrides: dict | None = None,
 ) -> dict:
     """A fresh engine (new process): load, then the same n phases as after the save."""
-    adapter, engine, runtime, controller = _build(family, layout)
+    adapter, engine, runtime, controller = _build(family, layout, overrides)
     load_engine(engine, directory)
     load_schedule_state(engine, saved["schedule"])
     controller.load_state_dict(saved["controller"])

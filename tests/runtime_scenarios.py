@@ -148,8 +148,14 @@ def train_and_probe(rank: int, world_size: int, family: str, layout: str, **over
         for p in engine.params[Role.STUDENT]
     }
     engine.zero_grad(Role.STUDENT)
+    # how the trained parameters are laid out: (mesh dimension names, mesh shape, placements)
+    placements = sorted({
+        (tuple(p.device_mesh.mesh_dim_names or ()), tuple(p.device_mesh.shape), str(p.placements))
+        for role in (Role.STUDENT, Role.FAKE_SCORE)
+        for p in engine.params[role]
+    })  # fmt: skip
     dist.barrier()
-    return {"weights": weights, "forwards": forwards, "norms": norms, "grads": grads}
+    return {"weights": weights, "forwards": forwards, "norms": norms, "grads": grads, "placements": placements}
 
 
 CASES = [
@@ -194,3 +200,18 @@ def compiled_and_eager(rank: int, world_size: int, layout: str) -> dict:
         compiled = train_and_probe(rank, world_size, "sd3", layout, **compiled_options)
         graphs = int(counters["stats"].get("unique_graphs", 0)) - before
     return {"eager": eager, "compiled": compiled, "graphs": graphs}
+
+
+HYBRID = {"model.fsdp_mesh": [2, 2], "resources.nnodes": 2, "resources.workers_per_node": 2}
+"""A (replicate 2, shard 2) mesh on 4 ranks, as 2 nodes of 2 workers would run it."""
+HYBRID_CASES = [("sd3", "shared_base_adapters"), ("wan", "independent")]
+
+
+def hybrid_cases(rank: int, world_size: int) -> dict:
+    """The float64 trajectory of `HYBRID_CASES` on a hybrid mesh."""
+    results = {}
+    for family, layout in HYBRID_CASES:
+        with default_dtype(torch.float64):
+            results[f"{family}/{layout}"] = train_and_probe(rank, world_size, family, layout, **HYBRID)
+    return results
+

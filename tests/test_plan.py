@@ -315,6 +315,10 @@ INVALID += [
     ({"prepare.prompt_field": ""}, "prepare.prompt_field"),
     ({"prepare.image_transform": "pad"}, "prepare.image_transform"),
     ({"validation.teacher_steps": 0}, "validation.teacher_steps"),
+    ({"model.fsdp_mesh": "hybird"}, "model.fsdp_mesh"),
+    ({"model.fsdp_mesh": [2, 2, 1]}, "model.fsdp_mesh"),
+    ({"model.fsdp_mesh": [0, 4], "resources.workers_per_node": 4}, "model.fsdp_mesh[0]"),
+    ({"model.fsdp_mesh": [2, 3], "resources.nnodes": 2, "resources.workers_per_node": 2}, "model.fsdp_mesh"),
 ]
 
 
@@ -410,6 +414,7 @@ ALTERNATIVES = {
     "model.reduce_dtype": "bfloat16",
     "model.activation_checkpointing": True,
     "model.fsdp_units": "model",
+    "model.fsdp_mesh": "hybrid",
     "model.reshard_after_forward": False,
     "model.compile": True,
     "model.compile_backend": "aot_eager",
@@ -715,3 +720,38 @@ def test_a_key_added_later_is_no_difference_at_the_value_it_replaced():
     at_old = DistillationPlan.from_config(with_overrides({**gan, "algorithm.gan_head": "pooled"}))
     assert at_old.semantic_differences(stored) == []
     assert set(ADDED_KEYS) <= set(plan_keys()) and not any(_is_mutable(k) for k in ADDED_KEYS)
+
+
+@pytest.mark.parametrize(
+    ("mesh", "nnodes", "per_node", "world_size", "shape"),
+    [
+        ("shard", 2, 4, 8, None),
+        ("hybrid", 2, 4, 8, (2, 4)),
+        ("hybrid", 1, 4, 4, None),  # one replica: plain sharding
+        ([4, 2], 2, 4, 8, (4, 2)),
+        ([1, 8], 2, 4, 8, None),
+        ([8, 1], 2, 4, 8, (8, 1)),  # every rank a whole replica
+    ],
+)
+def test_fsdp_mesh_shape(mesh, nnodes, per_node, world_size, shape):
+    """model.fsdp_mesh resolves to the (replicate, shard) sizes of the mesh the engine builds."""
+    from verl_dmd.runtime.sharding import mesh_shape
+
+    plan = DistillationPlan.from_config(with_overrides({
+        "model.fsdp_mesh": mesh, "resources.nnodes": nnodes, "resources.workers_per_node": per_node,
+    }))  # fmt: skip
+    assert mesh_shape(plan, world_size) == shape
+
+
+@pytest.mark.parametrize("mesh", ["hybrid", [2, 4]])
+def test_fsdp_mesh_that_does_not_match_the_process_group_is_refused(mesh):
+    """A launch with another rank count than the plan's resources: one line naming the key and the fix."""
+    from verl_dmd.runtime.sharding import mesh_shape
+
+    plan = DistillationPlan.from_config(with_overrides({
+        "model.fsdp_mesh": mesh, "resources.nnodes": 2, "resources.workers_per_node": 4,
+    }))  # fmt: skip
+    with pytest.raises(ValueError, match=r"^model.fsdp_mesh = .*6 ranks.*fix: ") as info:
+        mesh_shape(plan, 6)
+    assert "\n" not in str(info.value)
+

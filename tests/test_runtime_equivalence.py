@@ -64,7 +64,10 @@ def _lora(role_names, adapter):
 class Reference:
     """Plain single-process training of the same plan."""
 
-    def __init__(self, family: str, layout: str, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self, family: str, layout: str, dtype: torch.dtype = torch.float32, world_size: int = WORLD_SIZE
+    ) -> None:
+        self.world_size = world_size  # the global batch is that of this many ranks
         with default_dtype(dtype):
             self._build(family, layout)
 
@@ -136,7 +139,7 @@ class Reference:
         norms = []
         for phase in range(PHASES):
             role = controller.next_phase()
-            batch = global_batch(self.adapter, self.models[role], WORLD_SIZE, phase)
+            batch = global_batch(self.adapter, self.models[role], self.world_size, phase)
             prediction = self.predict(role, batch)
             target = batch["target"]
             if role is Role.STUDENT:
@@ -198,7 +201,7 @@ class Reference:
         return out
 
     def forwards(self) -> dict[str, torch.Tensor]:
-        probe = probe_batch(self.adapter, self.models[Role.STUDENT], WORLD_SIZE)
+        probe = probe_batch(self.adapter, self.models[Role.STUDENT], self.world_size)
         out = {}
         with torch.no_grad():
             for role in (Role.STUDENT, Role.FAKE_SCORE, Role.TEACHER):

@@ -97,6 +97,7 @@ RESUME_MUTABLE_KEYS: tuple[str, ...] = (
     "model.activation_checkpointing",
     "model.reshard_after_forward",
     "model.fsdp_units",
+    "model.fsdp_mesh",
     "model.compile",
     "model.compile_backend",
     "model.teacher.cpu_offload",
@@ -228,6 +229,12 @@ class ModelSpec:
     fsdp_units: Literal["blocks", "model"] = "blocks"
     """FSDP2 units: blocks (each transformer block, as the adapter lists them) or model (one per model:
     fewer, larger all-gathers; for small models and slow interconnects). Same math."""
+    fsdp_mesh: Literal["shard", "hybrid"] | tuple[int, int] = "shard"
+    """The FSDP2 device mesh: shard (every parameter sharded over all ranks); hybrid (HSDP: sharded within
+    a node over resources.workers_per_node ranks, replicated across the resources.nnodes nodes, so the
+    gathers stay on a node's fast links); or [replicate, shard], whose product is the world size. Every
+    rank is data-parallel either way: same math. Checkpoints do not depend on it (a run saved with one
+    mesh resumes with another)."""
     reshard_after_forward: bool = True
     """FSDP2: free gathered block weights after each forward (the root keeps its own until backward); false
     keeps every unit's until the phase ends (same math, fewer all-gathers, more memory: in the independent
@@ -252,6 +259,15 @@ class ModelSpec:
                 "set model.adapter (e.g. dit, sd3, flux, qwen_image, wan)",
             )
         self.teacher.validate(f"{key}.teacher")
+        if isinstance(self.fsdp_mesh, tuple):
+            for i, size in enumerate(self.fsdp_mesh):
+                if size < 1:
+                    raise error(
+                        f"{key}.fsdp_mesh[{i}]",
+                        size,
+                        "must be >= 1 ([replicate, shard] ranks)",
+                        f"give positive sizes whose product is the world size, or set {key}.fsdp_mesh=shard",
+                    )
         for role in ("student", "fake_score"):
             spec: TrainableModelSpec = getattr(self, role)
             spec.validate(f"{key}.{role}")
@@ -854,6 +870,15 @@ class DistillationPlan:
         self._validate_across_sections()
 
     def _validate_across_sections(self) -> None:
+        mesh = self.model.fsdp_mesh
+        if isinstance(mesh, tuple) and mesh[0] * mesh[1] != self.resources.world_size:
+            raise error(
+                "model.fsdp_mesh",
+                list(mesh),
+                f"[replicate, shard] must multiply to the world size, resources.nnodes x "
+                f"resources.workers_per_node = {self.resources.world_size}",
+                "change the sizes or the resources, or set model.fsdp_mesh=hybrid (shard within a node)",
+            )
         # The embeddings provider reads its pairs from the prepared data set (prepare.teacher_pairs) and
         # checks that they are there itself.
         pairs_in_data = self.data.name == "embeddings"

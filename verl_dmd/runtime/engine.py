@@ -67,7 +67,7 @@ class RoleEngine:
         self.plan = plan
         self.adapter = adapter
         self.device = torch.device(device)
-        self.mesh = mesh
+        self.mesh = mesh if mesh is not None else sharding.device_mesh(plan, self.device)
         self.layout = layout_for(plan, adapter)
         self._active: Role | None = None
         self._trainable: Role | None = None
@@ -88,7 +88,7 @@ class RoleEngine:
             model.to(self.device)
             extras = [m for m in self.extra_modules.values() if any(m is x for x in model.children())]
             sharding.shard(
-                model, plan.model, adapter.fsdp_units, mesh=mesh, device=self.device,
+                model, plan.model, adapter.fsdp_units, mesh=self.mesh, device=self.device,
                 offload=self.layout.cpu_offloaded(model_name), extra_units=extras,
                 full_precision_inputs=getattr(adapter, "full_precision_inputs", ()),
             )  # fmt: skip

@@ -22,6 +22,7 @@ from torch.profiler import record_function
 
 from verl_dmd import batch as batches
 from verl_dmd.phases import LossNormalizerTracker, PhaseComputer, PhaseOutput, PhaseRequest, Role
+from verl_dmd.runtime import sharding
 from verl_dmd.runtime.engine import RoleEngine
 from verl_dmd.runtime.flops import PhaseFlops
 
@@ -91,6 +92,10 @@ class DistillationRoleRuntime:
         self.engine = engine
         self.computer = computer
         self.group = group
+        # The gradient norm sums each shard's squares over the ranks that hold disjoint shards: with a hybrid
+        # mesh, the shard dimension only (the replicas hold the same shards; summing them too would count
+        # every square `replicate` times). Every other collective here is over all data-parallel ranks.
+        self.norm_group = sharding.shard_group(engine.mesh) if engine.mesh is not None else group
         self.plan = engine.plan
         self.view = ComputerView(self)
         self.flops = PhaseFlops(engine)
@@ -214,7 +219,7 @@ class DistillationRoleRuntime:
         sum non-finite); the norm is global already. Both are read back in one wait.
         """
         device = self.engine.device
-        norm = _total_grad_norm(self.engine.params[role], device, self.group)
+        norm = _total_grad_norm(self.engine.params[role], device, self.norm_group)
         flags = torch.zeros(self.world_size, dtype=torch.float64, device=device)
         flags[self.rank] = (~torch.isfinite(sums.loss)).to(torch.float64)
         *flag_values, grad_norm = torch.cat([self._all_reduce(flags), norm.reshape(1)]).tolist()

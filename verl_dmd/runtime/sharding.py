@@ -69,6 +69,54 @@ def cast_inputs_hook(dtype: torch.dtype, keep: Iterable[str]):
     return hook
 
 
+MESH_DIMS = ("replicate", "shard")
+"""Names of the dimensions of a hybrid (HSDP) mesh."""
+
+
+def mesh_shape(plan, world_size: int) -> tuple[int, int] | None:
+    """(replicate, shard) sizes of the plan's model.fsdp_mesh at `world_size` ranks; None for plain sharding
+    over all ranks (shard, or a hybrid mesh with one replica: the same thing)."""
+    mesh, resources = plan.model.fsdp_mesh, plan.resources
+    if mesh == "shard":
+        return None
+    shape = (resources.nnodes, resources.workers_per_node) if mesh == "hybrid" else tuple(mesh)
+    if shape[0] * shape[1] != world_size:
+        source = (
+            f"resources.nnodes x resources.workers_per_node = {shape[0]} x {shape[1]}"
+            if mesh == "hybrid"
+            else f"model.fsdp_mesh = {list(shape)}"
+        )
+        raise ValueError(
+            f"model.fsdp_mesh = {mesh if mesh == 'hybrid' else list(mesh)}: {source} does not match the "
+            f"{world_size} ranks of the process group; fix: make the product the number of ranks launched, "
+            "or set model.fsdp_mesh=shard"
+        )
+    return None if shape[0] == 1 else shape
+
+
+def device_mesh(plan, device: torch.device):
+    """The FSDP2 mesh of model.fsdp_mesh for this process group: None (FSDP2's own 1-D mesh over all ranks)
+    or a 2-D (replicate, shard) mesh."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return None
+    shape = mesh_shape(plan, dist.get_world_size())
+    if shape is None:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS)
+
+
+def shard_group(mesh):
+    """The process group over which a parameter's shards are disjoint (its squares add up to the full
+    tensor's): the shard dimension of a hybrid mesh, else None (the whole process group)."""
+    if mesh is None:
+        return None
+    return mesh.get_group() if mesh.ndim == 1 else mesh.get_group(MESH_DIMS[1])
+
+
 def shard(
     model: nn.Module,
     spec: ModelSpec,

@@ -391,9 +391,13 @@ class DistillationRayTrainer:
         plan = self.plan
         self.output_dir.mkdir(parents=True, exist_ok=True)
         workers = 1 if self.backend == "local" else plan.resources.world_size
+        mesh, resources = plan.model.fsdp_mesh, plan.resources
+        shape = (resources.nnodes, resources.workers_per_node) if mesh == "hybrid" else mesh
+        hybrid = mesh != "shard" and shape[0] > 1
         self.log(
-            f"verl-dmd: {plan.model.adapter} / {plan.data.name}, {workers} worker(s) "
-            f"({self.backend}), {plan.trainer.total_steps} student steps, outputs in {self.output_dir}"
+            f"verl-dmd: {plan.model.adapter} / {plan.data.name}, {workers} worker(s) ({self.backend})"
+            + (f", FSDP2 mesh {shape[0]} x {shape[1]} (replicate x shard)" if hybrid else "")
+            + f", {plan.trainer.total_steps} student steps, outputs in {self.output_dir}"
         )
         self.group = self._start_group()
         info = self.group.init_model()[0]
