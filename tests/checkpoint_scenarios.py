@@ -50,7 +50,13 @@ def snapshot(engine) -> dict:
 
 
 def save_then_continue(
-    rank: int, world_size: int, family: str, layout: str, directory: str, n: int, overrides: dict | None = None
+    rank: int,
+    world_size: int,
+    family: str,
+    layout: str,
+    directory: str,
+    n: int,
+    overrides: dict | None = None,
 ) -> dict:
     """n phases (the fake warm-up and a student step among them), save, then n more phases; `overrides`:
     plan keys (make_plan's dotted form)."""

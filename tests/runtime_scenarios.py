@@ -155,7 +155,13 @@ def train_and_probe(rank: int, world_size: int, family: str, layout: str, **over
         for p in engine.params[role]
     })  # fmt: skip
     dist.barrier()
-    return {"weights": weights, "forwards": forwards, "norms": norms, "grads": grads, "placements": placements}
+    return {
+        "weights": weights,
+        "forwards": forwards,
+        "norms": norms,
+        "grads": grads,
+        "placements": placements,
+    }
 
 
 CASES = [
@@ -214,4 +220,3 @@ def hybrid_cases(rank: int, world_size: int) -> dict:
         with default_dtype(torch.float64):
             results[f"{family}/{layout}"] = train_and_probe(rank, world_size, family, layout, **HYBRID)
     return results
-

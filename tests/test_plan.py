@@ -754,4 +754,3 @@ def test_fsdp_mesh_that_does_not_match_the_process_group_is_refused(mesh):
     with pytest.raises(ValueError, match=r"^model.fsdp_mesh = .*6 ranks.*fix: ") as info:
         mesh_shape(plan, 6)
     assert "\n" not in str(info.value)
-
