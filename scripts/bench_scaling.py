@@ -8,15 +8,18 @@ and runs DMD2 cycles (1 student + K fake-score phases) on its share of the batch
 - strong scaling (``--global-batch G``): the ranks split G samples per phase (G must divide by N).
 
 A phase's time is the slowest rank's (each rank waits for the device, then one all-reduce of the maximum).
-With ``--trace`` one more cycle runs under a device profiler on every rank (CPU activity on a CPU run): per
-phase, the busy time of the collective kernels (NCCL's, or gloo's CPU collectives) and of everything else,
-the slowest rank's of each. NCCL runs its kernels on their own streams, so the collectives' time may overlap
-compute: the phase's wall time minus the compute kernels' busy time is what the collectives add at most.
+With ``--trace`` one more cycle runs under a device-only profiler on every rank (CPU activity on a CPU run),
+one trace per phase. Per phase, the slowest rank's: wall time; busy time of the collectives (NCCL's
+kernels; on a CPU, gloo's collective operators) and of all other device work (each the union over
+streams); ``collective_alone_s``, the collectives' time with no other device work running (what they cost
+the phase on the device: NCCL runs on its own streams and overlaps compute otherwise); and
+``not_compute_s``, wall time minus the other work's busy time (collectives alone plus the device's idle
+time: host launches, waits).
 
     torchrun --standalone --nproc-per-node 8 scripts/bench_scaling.py --compile --per-gpu-batch 2 --trace \\
         --json weak_8.json
     torchrun --standalone --nproc-per-node 4 scripts/bench_scaling.py --compile --global-batch 8 --json strong_4.json
-    python scripts/bench_scaling.py --summarize weak_*.json strong_*.json
+    python scripts/bench_scaling.py --summarize weak_*.json   # one mode at a time
 
 A smoke run without a GPU (gloo, the family's tiny shapes):
 
@@ -36,6 +39,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from datetime import date
 from pathlib import Path
@@ -126,23 +130,35 @@ def _is_collective(name: str) -> bool:
     return any(marker in name.lower() for marker in COLLECTIVE_MARKERS)
 
 
-def collective_split(events, device: torch.device) -> tuple[float, float, int]:
-    """(collective busy seconds, other busy seconds, collective count) of one profiled phase. On a GPU, the
-    device's kernels and copies: NCCL's against the rest. On a CPU, the outermost collective operators
-    against the rest of the phase's range (``phase:<role>``), on the phase's thread."""
-    collective = other = 0.0
+def kernel_split(trace: Path) -> tuple[float, float, int, float]:
+    """(collective busy seconds, other busy seconds, collective count, collective seconds with nothing else
+    running) of a device-only chrome trace of one phase: NCCL's kernels against every other kernel, copy
+    and memset, each the union of its intervals over all streams."""
+    from trace_gaps import DEVICE_CATEGORIES, clip, load, merge
+
+    device = [
+        e for e in load(trace) if e.get("ph") == "X" and "ts" in e and e.get("cat") in DEVICE_CATEGORIES
+    ]
+    names = [_is_collective(e["name"]) for e in device]
+    collective = merge(
+        [(e["ts"], e["ts"] + e.get("dur", 0)) for e, c in zip(device, names, strict=True) if c]
+    )
+    other = merge([(e["ts"], e["ts"] + e.get("dur", 0)) for e, c in zip(device, names, strict=True) if not c])
+    exposed = sum((hi - lo) - sum(b - a for a, b in clip(other, lo, hi)) for lo, hi in collective)
+    return (
+        sum(hi - lo for lo, hi in collective) / 1e6,
+        sum(hi - lo for lo, hi in other) / 1e6,
+        sum(names),
+        exposed / 1e6,
+    )
+
+
+def collective_split(events) -> tuple[float, float, int]:
+    """(collective busy seconds, other busy seconds, collective count) of one phase profiled on a CPU: the
+    outermost collective operators against the rest of the phase's range (``phase:<role>``), on the
+    phase's thread."""
+    collective = 0.0
     count = 0
-    if device.type == "cuda":
-        for event in events:
-            if event.device_type != torch.autograd.DeviceType.CUDA:
-                continue
-            seconds = event.time_range.elapsed_us() / 1e6
-            if _is_collective(event.name):
-                collective += seconds
-                count += 1
-            else:
-                other += seconds
-        return collective, other, count
     phases = [
         e for e in events if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("phase:")
     ]
@@ -269,17 +285,25 @@ def run(args) -> int:
 
         activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
         traced = {}
-        for _ in range(args.k + 1):
-            with profile(activities=activities) as prof:
-                role, seconds = phase()
-            collective, other, count = collective_split(prof.events(), device)
-            traced.setdefault(role.value, []).append((seconds, collective, other, count))
+        with tempfile.TemporaryDirectory() as scratch:
+            for number in range(args.k + 1):
+                with profile(activities=activities) as prof:
+                    role, seconds = phase()
+                if cuda:  # the kernels' intervals, from the trace (device events per stream)
+                    trace = Path(scratch) / f"phase_{number}.json"
+                    prof.export_chrome_trace(str(trace))
+                    collective, other, count, alone = kernel_split(trace)
+                else:  # gloo's collectives run on the calling thread: all of their time is exposed
+                    collective, other, count = collective_split(prof.events())
+                    alone = collective
+                traced.setdefault(role.value, []).append((seconds, collective, other, count, alone))
         summary = {}
         for role, rows in traced.items():
-            wall, collective, other, count = (statistics.median(column) for column in zip(*rows, strict=True))
-            wall, collective, other = slowest([wall, collective, other], device)
+            wall, collective, other, count, alone = (statistics.median(c) for c in zip(*rows, strict=True))
+            wall, collective, other, alone = slowest([wall, collective, other, alone], device)
             summary[role] = {"wall_s": wall, "collective_busy_s": collective, "other_busy_s": other,
-                             "collectives": int(count), "exposed_at_most_s": max(0.0, wall - other)}  # fmt: skip
+                             "collectives": int(count), "collective_alone_s": alone,
+                             "not_compute_s": max(0.0, wall - other)}  # fmt: skip
         traced = summary
     median = statistics.median
     cycle_s = median(cycles)

@@ -11,7 +11,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.slow
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_scaling import kernel_split  # noqa: E402
+
 SMOKE = ["--device", "cpu", "--tiny", "--k", "1", "--lora-rank", "4", "--warmup", "1", "--repeats", "1"]
 
 
@@ -33,6 +36,7 @@ def script(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_weak_and_strong_runs_with_the_collective_split_and_the_summary(tmp_path):
     """2 gloo ranks: the JSON counts both ranks' samples; the traced phases hold collectives (FSDP2's gathers
     and reduce-scatters) whose busy time fits inside the phase; --summarize reads a 1- and a 2-rank file."""
@@ -68,6 +72,7 @@ def test_weak_and_strong_runs_with_the_collective_split_and_the_summary(tmp_path
     assert mixed.returncode == 2 and "mix settings" in mixed.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "ranks, args, message",
     [
@@ -84,3 +89,23 @@ def test_refusals(ranks, args, message):
     lines = [line for line in result.stderr.splitlines() if line.startswith("bench_scaling: ")]
     assert lines and message in lines[0], result.stderr[-2000:]
     assert len(set(lines)) == 1  # one line, whichever rank printed it
+
+
+def test_kernel_split_of_a_device_trace(tmp_path):
+    """NCCL kernels against the other device work, each the union over streams; the collectives' time with
+    nothing else running is what lies outside the other work (a hand-made trace, in microseconds)."""
+    kernel = {"ph": "X", "cat": "kernel"}
+    events = [
+        {**kernel, "name": "ampere_bf16_gemm", "ts": 0, "dur": 100},  # compute 0-100 on stream 7
+        {**kernel, "name": "triton_poi_fused", "ts": 50, "dur": 100},  # 50-150 on another: union 0-150
+        {**kernel, "name": "ncclDevKernel_AllGather_RING_LL", "ts": 120, "dur": 60},  # 120-180: 30 alone
+        {**kernel, "name": "ncclDevKernel_ReduceScatter_RING_LL", "ts": 200, "dur": 20},  # 200-220: alone
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": 230, "dur": 10},  # other work
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 0, "dur": 500},  # host: ignored
+    ]
+    trace = tmp_path / "phase.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    collective, other, count, alone = kernel_split(trace)
+    assert count == 2
+    assert collective == pytest.approx(80e-6) and other == pytest.approx(160e-6)
+    assert alone == pytest.approx(50e-6)
