@@ -189,7 +189,7 @@ def slowest(values: list[float], device: torch.device) -> list[float]:
 def run(args) -> int:
     from verl_dmd.adapters import get_adapter
     from verl_dmd.controller import DistillationController
-    from verl_dmd.phases import PhaseRequest, Role
+    from verl_dmd.phases import PhaseRequest
     from verl_dmd.plan import DistillationPlan, PlanError
     from verl_dmd.runtime.engine import RoleEngine
     from verl_dmd.runtime.runtime import DistillationRoleRuntime
@@ -218,7 +218,9 @@ def run(args) -> int:
     dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
     work = make_workload(args.family, tiny=args.tiny, layers=args.layers, hidden=args.hidden, frames=None)
     lora = {"rank": args.lora_rank, "alpha": float(args.lora_rank)}
-    per_node = world // args.nodes if world % args.nodes == 0 else world
+    if world % args.nodes:
+        fail(f"--nodes {args.nodes}: does not divide the {world} ranks; fix: a divisor of {world}")
+    per_node = world // args.nodes
     try:
         plan = DistillationPlan.from_config({
             "algorithm": {"fake_update_ratio": args.k, "teacher_guidance_scale": work.guidance_scale,
@@ -248,20 +250,31 @@ def run(args) -> int:
     controller = DistillationController(fake_update_ratio=args.k, fake_warmup_steps=0)
     generator = torch.Generator().manual_seed(1000 + rank)  # each rank its own samples
 
-    def phase(profiler=None) -> tuple[Role, float]:
+    def phase(activities=None):
+        """One phase; with `activities`, under a profiler started after the barrier (so the barrier's own
+        collective is not counted): (role, seconds, the profiler or None)."""
         role = controller.next_phase()
         request = PhaseRequest(role=role, global_step=controller.global_step, role_step=0,
                                phase_index=controller.phase_index)  # fmt: skip
         batch = make_batch(work, per_rank, generator, pin=cuda)
         synchronize(device)
         dist.barrier()
+        synchronize(device)
+        prof = None
+        if activities is not None:
+            from torch.profiler import profile
+
+            prof = profile(activities=activities)
+            prof.start()
         begin = time.perf_counter()
         with record_function(f"phase:{role.value}"):
             metrics = runtime.run_phase(request, batch)
             synchronize(device)
         seconds = time.perf_counter() - begin
+        if prof is not None:
+            prof.stop()
         controller.record(role, stepped=metrics["stepped"])
-        return role, seconds
+        return role, seconds, prof
 
     warm = time.perf_counter()
     for _ in range(args.warmup * (args.k + 1)):
@@ -270,7 +283,7 @@ def run(args) -> int:
     times: dict[str, list[float]] = {"student": [], "fake_score": []}
     cycles = []
     for repeat in range(args.repeats):
-        own = [phase() for _ in range(args.k + 1)]
+        own = [phase()[:2] for _ in range(args.k + 1)]
         worst = slowest([seconds for _, seconds in own], device)
         for (role, _), seconds in zip(own, worst, strict=True):
             times[role.value].append(seconds)
@@ -281,14 +294,13 @@ def run(args) -> int:
             )
     traced = None
     if args.trace:
-        from torch.profiler import ProfilerActivity, profile
+        from torch.profiler import ProfilerActivity
 
         activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
         traced = {}
         with tempfile.TemporaryDirectory() as scratch:
             for number in range(args.k + 1):
-                with profile(activities=activities) as prof:
-                    role, seconds = phase()
+                role, seconds, prof = phase(activities)
                 if cuda:  # the kernels' intervals, from the trace (device events per stream)
                     trace = Path(scratch) / f"phase_{number}.json"
                     prof.export_chrome_trace(str(trace))
@@ -296,14 +308,15 @@ def run(args) -> int:
                 else:  # gloo's collectives run on the calling thread: all of their time is exposed
                     collective, other, count = collective_split(prof.events())
                     alone = collective
-                traced.setdefault(role.value, []).append((seconds, collective, other, count, alone))
+                idle = max(0.0, seconds - other)  # this rank's: its wall minus its own compute
+                traced.setdefault(role.value, []).append((seconds, collective, other, count, alone, idle))
         summary = {}
         for role, rows in traced.items():
-            wall, collective, other, count, alone = (statistics.median(c) for c in zip(*rows, strict=True))
-            wall, collective, other, alone = slowest([wall, collective, other, alone], device)
+            columns = [statistics.median(c) for c in zip(*rows, strict=True)]
+            wall, collective, other, alone, idle = slowest([columns[i] for i in (0, 1, 2, 4, 5)], device)
             summary[role] = {"wall_s": wall, "collective_busy_s": collective, "other_busy_s": other,
-                             "collectives": int(count), "collective_alone_s": alone,
-                             "not_compute_s": max(0.0, wall - other)}  # fmt: skip
+                             "collectives": int(columns[3]), "collective_alone_s": alone,
+                             "not_compute_s": idle}  # fmt: skip
         traced = summary
     median = statistics.median
     cycle_s = median(cycles)
@@ -321,6 +334,9 @@ def run(args) -> int:
         "fsdp_mesh": plan.model.fsdp_mesh
         if isinstance(plan.model.fsdp_mesh, str)
         else list(plan.model.fsdp_mesh),
+        "mesh_shape": None if engine.mesh is None else list(engine.mesh.shape),  # what ran: None = 1-D
+        "keep_gathered": args.keep_gathered,
+        "lora_rank": args.lora_rank,
         "mode": "weak" if args.global_batch is None else "strong",
         "world_size": world,
         "per_rank_batch": per_rank,
@@ -357,11 +373,12 @@ def summarize(paths: list[Path]) -> int:
             results.append(json.loads(path.read_text()))
         except (OSError, json.JSONDecodeError) as err:
             fail(f"{path}: not a bench_scaling result ({err}); fix: give the files its --json wrote")
-    keys = {(r["mode"], r["family"], r["layout"], r["compile"],
+    keys = {(r["mode"], r["model"], r["layout"], r["compile"], r["k"], r["device"], str(r.get("mesh_shape")),
+             r.get("keep_gathered"), r.get("lora_rank"),
              r["per_rank_batch"] if r["mode"] == "weak" else r["global_batch"]) for r in results}  # fmt: skip
     if len(keys) != 1:
         fail(
-            f"the files mix settings {sorted(keys)}; fix: summarize one mode, family, layout and batch at a time"
+            f"the files mix settings {sorted(keys)}; fix: summarize one mode, model, layout, K, device, mesh and batch at a time"
         )
     results.sort(key=lambda r: r["world_size"])
     base = results[0]

@@ -68,6 +68,7 @@ def test_weak_and_strong_runs_with_the_collective_split_and_the_summary(tmp_path
     assert result.returncode == 0, result.stderr[-3000:]
     document = json.loads(strong.read_text())
     assert (document["mode"], document["per_rank_batch"], document["fsdp_mesh"]) == ("strong", 1, [2, 1])
+    assert document["mesh_shape"] == [2, 1] and json.loads(two.read_text())["mesh_shape"] is None
     mixed = script("--summarize", str(one), str(strong))
     assert mixed.returncode == 2 and "mix settings" in mixed.stderr
 
@@ -80,6 +81,7 @@ def test_weak_and_strong_runs_with_the_collective_split_and_the_summary(tmp_path
         (2, ["--per-gpu-batch", "1", "--fsdp-mesh", "2x2"], "'model.fsdp_mesh' = [2, 2]"),
         (1, ["--per-gpu-batch", "1", "--fsdp-mesh", "2by2"], "--fsdp-mesh 2by2: allowed"),
         (1, [], "give --per-gpu-batch B"),
+        (2, ["--per-gpu-batch", "1", "--nodes", "3"], "--nodes 3: does not divide the 2 ranks"),
         (0, ["--per-gpu-batch", "1"], "launch it with torchrun"),
     ],
 )

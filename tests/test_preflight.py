@@ -405,6 +405,19 @@ def test_more_gpu_workers_than_this_machine_has_are_refused(tmp_path, capsys, mo
     assert main.check_command_line(argv) == 0
 
 
+def test_a_hybrid_mesh_is_refused_by_the_local_backend():
+    """The local backend runs one rank: a mesh with replicas cannot be built there (one line, before any
+    worker starts); the ray backend takes it, and plain sharding runs locally."""
+    plan = compose_plan("digits_dmd2", ["resources.workers_per_node=4", "model.fsdp_mesh=[2,2]"])
+    preflight.check_resources(plan, backend="ray")
+    with pytest.raises(
+        PlanError, match=r"^config key 'model.fsdp_mesh' = \[2, 2\]: .*local.*; fix: "
+    ) as info:
+        preflight.check_resources(plan, backend="local")
+    assert "\n" not in str(info.value)
+    preflight.check_resources(compose_plan("digits_dmd2", ["model.fsdp_mesh=hybrid"]), backend="local")
+
+
 def test_cpu_workers_are_not_limited_by_the_cores():
     """The local cluster is started with a CPU per worker (DistillationRayTrainer._start_ray)."""
     plan = compose_plan("digits_dmd2", ["resources.workers_per_node=64"])

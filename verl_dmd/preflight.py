@@ -265,6 +265,12 @@ def check_resources(plan: DistillationPlan, *, backend: str) -> None:
     worker (`DistillationRayTrainer._start_ray`). The local backend runs one rank, so only the device counts.
     """
     resources = plan.resources
+    mesh = plan.model.fsdp_mesh
+    replicas = resources.nnodes if mesh == "hybrid" else (mesh[0] if isinstance(mesh, tuple) else 1)
+    if backend == "local" and replicas > 1:
+        raise error("model.fsdp_mesh", mesh if isinstance(mesh, str) else list(mesh),
+                    "a hybrid mesh needs several ranks, and the local backend runs one",
+                    "drop --local (the ray workers run it), or set model.fsdp_mesh=shard")  # fmt: skip
     cluster = backend == "ray" and bool(os.environ.get("RAY_ADDRESS"))
     if resources.device == "cpu" or cluster:
         return

@@ -17,6 +17,7 @@ Layer 1: no torch, no distribution, no ray, no verl.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
 import json
 import math
@@ -229,7 +230,7 @@ class ModelSpec:
     fsdp_units: Literal["blocks", "model"] = "blocks"
     """FSDP2 units: blocks (each transformer block, as the adapter lists them) or model (one per model:
     fewer, larger all-gathers; for small models and slow interconnects). Same math."""
-    fsdp_mesh: Literal["shard", "hybrid"] | tuple[int, int] = "shard"
+    fsdp_mesh: str | tuple[int, ...] = "shard"
     """The FSDP2 device mesh: shard (every parameter sharded over all ranks); hybrid (HSDP: sharded within
     a node over resources.workers_per_node ranks, replicated across the resources.nnodes nodes, so the
     gathers stay on a node's fast links); or [replicate, shard], whose product is the world size. Every
@@ -259,8 +260,17 @@ class ModelSpec:
                 "set model.adapter (e.g. dit, sd3, flux, qwen_image, wan)",
             )
         self.teacher.validate(f"{key}.teacher")
-        if isinstance(self.fsdp_mesh, tuple):
-            for i, size in enumerate(self.fsdp_mesh):
+        mesh, fix = self.fsdp_mesh, f"set {key}.fsdp_mesh to shard, hybrid or [replicate, shard], e.g. [2, 4]"
+        if isinstance(mesh, str) and mesh not in ("shard", "hybrid"):
+            close = difflib.get_close_matches(mesh.lower(), ["shard", "hybrid"], n=1)
+            raise error(f"{key}.fsdp_mesh", mesh, "allowed: shard, hybrid, or [replicate, shard] ranks",
+                        f"did you mean {close[0]!r}?" if close else fix)  # fmt: skip
+        if isinstance(mesh, tuple):
+            if len(mesh) != 2:
+                raise error(
+                    f"{key}.fsdp_mesh", list(mesh), "a list must hold 2 sizes: [replicate, shard]", fix
+                )
+            for i, size in enumerate(mesh):
                 if size < 1:
                     raise error(
                         f"{key}.fsdp_mesh[{i}]",

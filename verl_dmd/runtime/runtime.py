@@ -27,8 +27,12 @@ from verl_dmd.runtime.engine import RoleEngine
 from verl_dmd.runtime.flops import PhaseFlops
 
 
-def _total_grad_norm(params: list[torch.nn.Parameter], device: torch.device, group=None) -> torch.Tensor:
-    """The global L2 norm of the gradients of `params` (DTensor shards included), in float64.
+def _total_grad_norm(
+    params: list[torch.nn.Parameter], device: torch.device, group=None, replicas: int = 1
+) -> torch.Tensor:
+    """The global L2 norm of the gradients of `params` (DTensor shards included), in float64; each shard is
+    held by `replicas` ranks of `group` (a hybrid mesh's replicate size), so their summed squares are
+    divided by it.
 
     Accumulated on `device`: NCCL reduces only device tensors.
     """
@@ -43,7 +47,9 @@ def _total_grad_norm(params: list[torch.nn.Parameter], device: torch.device, gro
         else:
             squares = squares + grad.double().square().sum()
     if dist.is_initialized() and any(isinstance(p.grad, DTensor) for p in params):
-        dist.all_reduce(partial, group=group)  # shards are disjoint: their squares add up
+        dist.all_reduce(partial, group=group)  # shards are disjoint within a replica: their squares add up
+        if replicas > 1:
+            partial = partial / replicas
     return (squares + partial).sqrt()
 
 
@@ -92,10 +98,11 @@ class DistillationRoleRuntime:
         self.engine = engine
         self.computer = computer
         self.group = group
-        # The gradient norm sums each shard's squares over the ranks that hold disjoint shards: with a hybrid
-        # mesh, the shard dimension only (the replicas hold the same shards; summing them too would count
-        # every square `replicate` times). Every other collective here is over all data-parallel ranks.
-        self.norm_group = sharding.shard_group(engine.mesh) if engine.mesh is not None else group
+        # The gradient norm sums every rank's shard squares over the whole group: with a hybrid mesh each shard
+        # is held by `replicas` ranks, so the sum is divided by that count (one collective whose result every
+        # rank reads alike, so the replicas clip alike). Every other collective here is over all data-parallel
+        # ranks too.
+        self.replicas = sharding.replicas(engine.mesh)
         self.plan = engine.plan
         self.view = ComputerView(self)
         self.flops = PhaseFlops(engine)
@@ -219,7 +226,7 @@ class DistillationRoleRuntime:
         sum non-finite); the norm is global already. Both are read back in one wait.
         """
         device = self.engine.device
-        norm = _total_grad_norm(self.engine.params[role], device, self.norm_group)
+        norm = _total_grad_norm(self.engine.params[role], device, self.group, self.replicas)
         flags = torch.zeros(self.world_size, dtype=torch.float64, device=device)
         flags[self.rank] = (~torch.isfinite(sums.loss)).to(torch.float64)
         *flag_values, grad_norm = torch.cat([self._all_reduce(flags), norm.reshape(1)]).tolist()

@@ -82,12 +82,12 @@ def mesh_shape(plan, world_size: int) -> tuple[int, int] | None:
     shape = (resources.nnodes, resources.workers_per_node) if mesh == "hybrid" else tuple(mesh)
     if shape[0] * shape[1] != world_size:
         source = (
-            f"resources.nnodes x resources.workers_per_node = {shape[0]} x {shape[1]}"
+            f"resources.nnodes x resources.workers_per_node = {shape[0]} x {shape[1]} ranks"
             if mesh == "hybrid"
-            else f"model.fsdp_mesh = {list(shape)}"
+            else f"{shape[0] * shape[1]} ranks"
         )
         raise ValueError(
-            f"model.fsdp_mesh = {mesh if mesh == 'hybrid' else list(mesh)}: {source} does not match the "
+            f"model.fsdp_mesh = {mesh if mesh == 'hybrid' else list(mesh)}: {source} do not match the "
             f"{world_size} ranks of the process group; fix: make the product the number of ranks launched, "
             "or set model.fsdp_mesh=shard"
         )
@@ -96,7 +96,9 @@ def mesh_shape(plan, world_size: int) -> tuple[int, int] | None:
 
 def device_mesh(plan, device: torch.device):
     """The FSDP2 mesh of model.fsdp_mesh for this process group: None (FSDP2's own 1-D mesh over all ranks)
-    or a 2-D (replicate, shard) mesh."""
+    or a 2-D (replicate, shard) mesh whose groups wait as long as the run's collectives may
+    (trainer.rpc_timeout_s plus the workers' grace, like the world group; torch's default would let
+    NCCL's watchdog kill a waiting rank after 10 minutes)."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
@@ -104,17 +106,32 @@ def device_mesh(plan, device: torch.device):
     shape = mesh_shape(plan, dist.get_world_size())
     if shape is None:
         return None
-    from torch.distributed.device_mesh import init_device_mesh
+    from datetime import timedelta
 
-    return init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS)
+    from torch.distributed.device_mesh import DeviceMesh
+
+    timeout = timedelta(seconds=plan.trainer.rpc_timeout_s + PROCESS_GROUP_GRACE_S)
+    ranks = torch.arange(shape[0] * shape[1]).reshape(shape)
+    rank = dist.get_rank()
+    mine: dict[int, object] = {}
+    # Every rank creates every group, in the same order (new_group is collective over the world).
+    for dim, lines in ((0, ranks.t()), (1, ranks)):  # replicate groups: columns; shard groups: rows
+        for line in lines.tolist():
+            group = dist.new_group(line, timeout=timeout)
+            if rank in line:
+                mine[dim] = group
+    return DeviceMesh.from_group([mine[0], mine[1]], device.type, mesh=ranks, mesh_dim_names=MESH_DIMS)
 
 
-def shard_group(mesh):
-    """The process group over which a parameter's shards are disjoint (its squares add up to the full
-    tensor's): the shard dimension of a hybrid mesh, else None (the whole process group)."""
-    if mesh is None:
-        return None
-    return mesh.get_group() if mesh.ndim == 1 else mesh.get_group(MESH_DIMS[1])
+PROCESS_GROUP_GRACE_S = 10.0
+"""Process groups wait trainer.rpc_timeout_s plus this: a rank waiting in a collective for a rank that stopped
+must still be waiting (and be reported as waiting) when the driver's deadline passes, instead of failing with
+the backend's own timeout first and being named as the failed rank."""
+
+
+def replicas(mesh) -> int:
+    """Ranks that hold the same shard (the replicate dimension of a hybrid mesh; 1 otherwise)."""
+    return 1 if mesh is None or mesh.ndim == 1 else mesh.size(0)
 
 
 def shard(

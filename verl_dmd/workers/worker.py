@@ -29,13 +29,9 @@ import torch
 from verl.single_controller.base import Worker
 from verl.single_controller.base.decorator import register
 
+from verl_dmd.runtime.sharding import PROCESS_GROUP_GRACE_S  # the world group's and the mesh's
 from verl_dmd.workers import status
 from verl_dmd.workers.operations import OPERATIONS, Dispatch, rank_arguments
-
-PROCESS_GROUP_GRACE_S = 10.0
-"""The process group's timeout is trainer.rpc_timeout_s plus this: a rank waiting in a collective for a
-rank that stopped must still be waiting (and be reported as waiting) when the driver's deadline passes,
-instead of failing with the backend's own timeout first and being named as the failed rank."""
 
 
 def _dispatch_mode(dispatch: Dispatch) -> dict:
