@@ -112,3 +112,61 @@ def test_local_trainer_rejects_pairs_made_for_another_teacher(tmp_path):
                        f"data.regression_pairs_path={path}")  # fmt: skip
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "teacher_sha256 = '0000" in result.stderr and "delete the file to regenerate" in result.stderr
+
+
+def test_digits_reference_scores_real_draws_and_model_seeds(tmp_path):
+    """Real training digits score as copies (memorisation 0) with full class accuracy; the teacher's seed-1
+    draw is the table's own (the same FID as `DigitsEvaluation` with its default noise); a missing model
+    directory is a one-line error."""
+    result = run("scripts/digits_reference.py", "--subsets", "2", "--teacher", "builtin:digits_teacher",
+                 "--teacher-steps", "2", "--seeds", "2", "--num-samples", "30")  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    real = [line for line in lines if line.strip().startswith("real subset")]
+    assert len(real) == 2
+    for line in real:
+        values = dict(zip(line.split()[3::2], map(float, line.split()[4::2]), strict=True))
+        assert values["memorisation"] == 0.0 and values["accuracy"] == 1.0, line
+    teacher = [line for line in lines if line.strip().startswith("teacher 2-step seed")]
+    assert len(teacher) == 2
+    assert any(line.startswith("teacher builtin:digits_teacher at 2 steps (2 draws)") for line in lines)
+
+    from verl_dmd.algorithms.sampling import euler_sample
+    from verl_dmd.assets import resolve_model_path
+    from verl_dmd.data.digits import load_digits_splits
+    from verl_dmd.eval.digits_classifier import train_digits_classifier
+    from verl_dmd.eval.digits_report import DigitsEvaluation
+
+    torch.set_num_threads(2)
+    train, holdout = load_digits_splits(seed=0)
+    evaluation = DigitsEvaluation(train_digits_classifier(train, seed=0), holdout, train, num_samples=30)
+    adapter = get_adapter("dit")()
+    model = adapter.build_model(ModelSource(path=resolve_model_path("builtin:digits_teacher"))).eval()
+    with torch.no_grad():
+        images = euler_sample(adapter, model, evaluation.noise, {"class_labels": evaluation.labels}, 2)
+    fid = evaluation.row("teacher", "euler", 2, images).fid
+    seed1 = float(teacher[0].split("fid")[1].split()[0])
+    assert seed1 == pytest.approx(fid, abs=1e-3)
+
+    missing = run("scripts/digits_reference.py", "--subsets", "0", "--student", str(tmp_path / "nowhere"))
+    assert missing.returncode != 0
+    assert "nowhere" in missing.stderr.strip().splitlines()[-1] and "fix:" in missing.stderr
+
+
+def test_digits_reference_real_subset_draws_each_class_without_repeats():
+    """Each slot gets a training digit of its label; no digit repeats within a draw; draws differ by seed."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from digits_reference import real_subset
+
+    from verl_dmd.data.digits import load_digits_splits
+
+    train, _ = load_digits_splits(seed=0)
+    labels = torch.arange(100) % 10
+    a, b = real_subset(train, labels, 0), real_subset(train, labels, 1)
+    flat = train.images.flatten(1)
+    index = [int(((flat - img.flatten()).abs().sum(1) == 0).nonzero()[0]) for img in a]
+    assert [int(train.labels[i]) for i in index] == labels.tolist()
+    assert len(set(index)) == len(index)
+    assert not torch.equal(a, b)
+    with pytest.raises(ValueError, match="class 0: 500 samples asked"):
+        real_subset(train, torch.zeros(500, dtype=torch.int64), 0)
