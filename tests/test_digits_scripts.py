@@ -114,48 +114,86 @@ def test_local_trainer_rejects_pairs_made_for_another_teacher(tmp_path):
     assert "teacher_sha256 = '0000" in result.stderr and "delete the file to regenerate" in result.stderr
 
 
-def test_digits_reference_scores_real_draws_and_model_seeds(tmp_path):
-    """Real training digits score as copies (memorisation 0) with full class accuracy; the teacher's seed-1
-    draw is the table's own (the same FID as `DigitsEvaluation` with its default noise); a missing model
-    directory is a one-line error."""
-    result = run("scripts/digits_reference.py", "--subsets", "2", "--teacher", "builtin:digits_teacher",
-                 "--teacher-steps", "2", "--seeds", "2", "--num-samples", "30")  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    lines = result.stdout.splitlines()
-    real = [line for line in lines if line.strip().startswith("real subset")]
-    assert len(real) == 2
-    for line in real:
-        values = dict(zip(line.split()[3::2], map(float, line.split()[4::2]), strict=True))
-        assert values["memorisation"] == 0.0 and values["accuracy"] == 1.0, line
-    teacher = [line for line in lines if line.strip().startswith("teacher 2-step seed")]
-    assert len(teacher) == 2
-    assert any(line.startswith("teacher builtin:digits_teacher at 2 steps (2 draws)") for line in lines)
+def reference_values(line: str) -> dict[str, float]:
+    """`  <name>: fid F accuracy A ...` -> {metric: value}."""
+    tail = line.split(":", 1)[1].split()
+    return dict(zip(tail[0::2], map(float, tail[1::2]), strict=True))
 
-    from verl_dmd.algorithms.sampling import euler_sample
+
+def test_digits_reference_scores_real_draws_and_model_seeds(tmp_path):
+    """Real training digits score as copies (memorisation 0) with full class accuracy; seed 1 of the teacher
+    and of an exported student (found under the export's role folder, sampled at its trained levels) is the
+    table's own draw (the FID of `DigitsEvaluation`'s default noise and re-noising); seed 2 is another draw."""
+    import json
+    import shutil
+
+    from verl_dmd.algorithms.sampling import euler_sample, few_step_sample, renoise_draws
     from verl_dmd.assets import resolve_model_path
     from verl_dmd.data.digits import load_digits_splits
     from verl_dmd.eval.digits_classifier import train_digits_classifier
     from verl_dmd.eval.digits_report import DigitsEvaluation
+    from verl_dmd.seeding import fixed_generator
+
+    teacher_dir = resolve_model_path("builtin:digits_teacher")
+    role = tmp_path / "export" / "global_step_2" / "student_ema"  # the teacher posing as a 2-step student
+    shutil.copytree(teacher_dir, role / "diffusers")
+    levels = [1.0, 0.4]  # not evenly spaced: the script must take them from export.json
+    (role / "export.json").write_text(json.dumps({"dmd2_config": {"denoising_timesteps": [1000.0, 400.0]}}))
+    result = run("scripts/digits_reference.py", "--subsets", "2", "--teacher", "builtin:digits_teacher",
+                 "--teacher-steps", "2", "--student", str(tmp_path / "export"), "--student-steps", "2",
+                 "--seeds", "2", "--num-samples", "30")  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    real = [reference_values(line) for line in lines if line.strip().startswith("real subset")]
+    assert len(real) == 2
+    assert all(values["memorisation"] == 0.0 and values["accuracy"] == 1.0 for values in real), real
+    teacher = [reference_values(line) for line in lines if line.strip().startswith("teacher 2-step seed")]
+    student = [reference_values(line) for line in lines if line.strip().startswith("student 2-step seed")]
+    assert len(teacher) == len(student) == 2
+    assert any(line.startswith("teacher builtin:digits_teacher at 2 steps (2 draws)") for line in lines)
 
     torch.set_num_threads(2)
     train, holdout = load_digits_splits(seed=0)
     evaluation = DigitsEvaluation(train_digits_classifier(train, seed=0), holdout, train, num_samples=30)
     adapter = get_adapter("dit")()
-    model = adapter.build_model(ModelSource(path=resolve_model_path("builtin:digits_teacher"))).eval()
+    model = adapter.build_model(ModelSource(path=teacher_dir)).eval()
+    cond = {"class_labels": evaluation.labels}
     with torch.no_grad():
-        images = euler_sample(adapter, model, evaluation.noise, {"class_labels": evaluation.labels}, 2)
-    fid = evaluation.row("teacher", "euler", 2, images).fid
-    seed1 = float(teacher[0].split("fid")[1].split()[0])
-    assert seed1 == pytest.approx(fid, abs=1e-3)
-
-    missing = run("scripts/digits_reference.py", "--subsets", "0", "--student", str(tmp_path / "nowhere"))
-    assert missing.returncode != 0
-    assert "nowhere" in missing.stderr.strip().splitlines()[-1] and "fix:" in missing.stderr
+        euler = euler_sample(adapter, model, evaluation.noise, cond, 2)
+        draws = renoise_draws(evaluation.noise.shape, 2, fixed_generator(2))
+        few = few_step_sample(adapter, model, evaluation.noise, cond, torch.tensor([*levels, 0.0]), draws)
+    assert teacher[0]["fid"] == pytest.approx(evaluation.row("teacher", "euler", 2, euler).fid, abs=1e-3)
+    assert student[0]["fid"] == pytest.approx(evaluation.row("student", "few-step", 2, few).fid, abs=1e-3)
+    assert teacher[1]["fid"] != teacher[0]["fid"] and student[1]["fid"] != student[0]["fid"]
 
 
-def test_digits_reference_real_subset_draws_each_class_without_repeats():
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--student", "{tmp}/nowhere"], "does not exist"),
+        (["--student", "{tmp}"], "no diffusers/config.json under it"),
+        (["--teacher", "builtin:nope"], "no shipped model named 'nope'"),
+        (["--num-samples", "5000"], "--num-samples 5000: must be in [10, "),
+        (["--seeds", "0", "--teacher", "builtin:digits_teacher"], "--seeds 0: must be 1 or more"),
+        ([], "nothing to measure"),
+    ],
+    ids=["missing", "no-diffusers", "builtin", "samples", "seeds", "nothing"],
+)
+def test_digits_reference_refuses_bad_input_in_one_line(tmp_path, args, message):
+    """Bad paths and arguments end in one line naming the value and a fix, before any scoring."""
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    result = run(
+        "scripts/digits_reference.py", "--subsets", "0" if "--num-samples" not in argv else "1", *argv
+    )
+    assert result.returncode != 0
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("digits_reference: ") and message in last, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+
+
+def test_digits_reference_real_subset_draws_each_class_without_repeats(monkeypatch):
     """Each slot gets a training digit of its label; no digit repeats within a draw; draws differ by seed."""
-    sys.path.insert(0, str(ROOT / "scripts"))
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
     from digits_reference import real_subset
 
     from verl_dmd.data.digits import load_digits_splits
