@@ -16,10 +16,11 @@ GUIDANCE = 3.0
 STUDENT_STEPS = 3
 PER_RANK = 4
 REGRESSION_WEIGHT = 0.5
+STUDENT_STEP = 2  # the probed student phase: PhaseRequest(global_step=1), so student step 2 (from 1)
 GAN_GENERATOR_WEIGHT = 0.7  # large, so that a wrong GAN gradient cannot hide under the DMD term
 
 
-def dmd2_plan(gan_sigma_max=None, gan_head="pooled"):
+def dmd2_plan(gan_sigma_max=None, gan_head="pooled", regression_decay_steps=None):
     return make_plan(
         "sd3",
         "shared_base_adapters",
@@ -32,6 +33,7 @@ def dmd2_plan(gan_sigma_max=None, gan_head="pooled"):
             "optim.student.lr": 1e-2,
             "optim.fake_score.lr": 1e-2,
             "algorithm.regression_weight": REGRESSION_WEIGHT,
+            "algorithm.regression_decay_steps": regression_decay_steps,
             "algorithm.gan_generator_weight": GAN_GENERATOR_WEIGHT,
             "algorithm.gan_discriminator_weight": 0.5,
             "algorithm.gan_sigma_max": gan_sigma_max,
@@ -57,8 +59,10 @@ def dmd2_batch(adapter, model, size: int, seed: int) -> dict[str, torch.Tensor]:
     return batch
 
 
-def probe_student_gradient(rank: int, world_size: int, gan_sigma_max=None, gan_head="pooled") -> dict:
-    plan = dmd2_plan(gan_sigma_max, gan_head)
+def probe_student_gradient(
+    rank: int, world_size: int, gan_sigma_max=None, gan_head="pooled", regression_decay_steps=None
+) -> dict:
+    plan = dmd2_plan(gan_sigma_max, gan_head, regression_decay_steps)
     adapter = get_adapter("sd3")()
     computer = DMD2Computer(adapter, plan.algorithm, seed=plan.trainer.seed, rank=rank)
     engine = RoleEngine(plan, adapter, extra_modules=computer.extra_modules())
@@ -98,7 +102,7 @@ def probe_student_gradient(rank: int, world_size: int, gan_sigma_max=None, gan_h
     weights = trained_weights()
     state = {k: v.clone() for k, v in computer.state_dict().items()}
     probe = dmd2_batch(adapter, engine.module_for(Role.STUDENT), PER_RANK * world_size, seed=999)
-    request = PhaseRequest(role=Role.STUDENT, global_step=1, role_step=1, phase_index=4)
+    request = PhaseRequest(role=Role.STUDENT, global_step=STUDENT_STEP - 1, role_step=1, phase_index=4)
     engine.zero_grad(Role.STUDENT)
     with engine.trainable(Role.STUDENT), engine.use_role(Role.STUDENT):
         output = computer.compute_phase(

@@ -19,6 +19,7 @@ from dmd2_scenarios import (
     GUIDANCE,
     PER_RANK,
     REGRESSION_WEIGHT,
+    STUDENT_STEP,
     STUDENT_STEPS,
     dmd2_batch,
     dmd2_plan,
@@ -40,13 +41,20 @@ def probed(tmp_path_factory):
 
 
 GAN_SIGMA_MAX = 0.3
+REGRESSION_DECAY_STEPS = 4  # with the GAN's own levels, the regression weight decays: 0.5 of it at step 2
 
 
 @pytest.fixture(scope="module")
 def probed_gan_levels(tmp_path_factory):
-    """The same phases with the GAN's own noise levels (algorithm.gan_sigma_max) and the conv head."""
+    """The same phases with the GAN's own noise levels (algorithm.gan_sigma_max), the conv head and the
+    regression weight decaying (algorithm.regression_decay_steps)."""
     return run_ranks(
-        probe_student_gradient, WORLD_SIZE, tmp_path_factory.mktemp("dmd2_gan"), GAN_SIGMA_MAX, "conv"
+        probe_student_gradient,
+        WORLD_SIZE,
+        tmp_path_factory.mktemp("dmd2_gan"),
+        GAN_SIGMA_MAX,
+        "conv",
+        REGRESSION_DECAY_STEPS,
     )
 
 
@@ -57,8 +65,11 @@ def shift(sigma, s):
 class Float64DMD2:
     """Plain PEFT model in float64 with the runtime's trained adapters loaded."""
 
-    def __init__(self, weights, gan_sigma_max=None, gan_head="pooled"):
+    def __init__(self, weights, gan_sigma_max=None, gan_head="pooled", regression_decay_steps=None):
         self.plan = dmd2_plan(gan_sigma_max, gan_head)
+        # the regression weight at the probed student step, written out: linear to 0 at the decay's end
+        decay = 1.0 if regression_decay_steps is None else 1.0 - STUDENT_STEP / regression_decay_steps
+        self.regression_weight = REGRESSION_WEIGHT * decay
         self.adapter = get_adapter("sd3")()
         torch.manual_seed(self.plan.trainer.seed)
         model = self.adapter.build_model(ModelSource.of(self.plan.model.teacher))
@@ -174,7 +185,7 @@ class Float64DMD2:
         ones = torch.ones(b, dtype=torch.float64)
         x_pair = pair_noise - self.velocity("student", pair_noise, ones, pair_cond)
         regression = ((x_pair - batch["regression.target"].double()) ** 2).mean()
-        loss = loss + REGRESSION_WEIGHT * regression
+        loss = loss + self.regression_weight * regression
         grads = torch.autograd.grad(loss, list(self.student_params.values()))
         return exit_index, regression.item(), dict(zip(self.student_params, grads, strict=True))
 
@@ -267,7 +278,11 @@ def test_student_gradient_matches_float64_reference(gan_sigma_max, request):
     algorithm.gan_sigma_max the GAN term reads its own noise levels (and the conv head reads them)."""
     rank0, rank1 = request.getfixturevalue("probed" if gan_sigma_max is None else "probed_gan_levels")
     # Built in float32 (the ranks' init and draws), then converted: float64 from here on.
-    reference = Float64DMD2(rank0["weights"], gan_sigma_max, "pooled" if gan_sigma_max is None else "conv")
+    if gan_sigma_max is None:
+        reference = Float64DMD2(rank0["weights"], gan_sigma_max, "pooled")
+    else:
+        reference = Float64DMD2(rank0["weights"], gan_sigma_max, "conv", REGRESSION_DECAY_STEPS)
+        assert reference.regression_weight == REGRESSION_WEIGHT / 2
     probe = dmd2_batch(reference.adapter, reference.model, PER_RANK * WORLD_SIZE, seed=999)
     with default_dtype(torch.float64):
         per_rank = []
@@ -367,6 +382,54 @@ def test_state_dict_round_trip_reproduces_draws():
     second = DMD2Computer(_RecordingAdapter(), plan.algorithm, seed=99, rank=0)
     second.load_state_dict(state)
     assert [second.exit_index() for _ in range(10)] == expected
+
+
+@pytest.mark.parametrize("first", [None, 0.0, 0.75, 1.0])
+def test_first_exit_probability_sets_how_often_the_first_step_trains(first):
+    """algorithm.first_exit_probability: the exit is the first step with that chance and a later step evenly
+    otherwise, drawn alike on every rank; null is the uniform draw (one integer from the shared stream)."""
+    import dataclasses
+
+    from verl_dmd.seeding import generator
+
+    algorithm = dataclasses.replace(dmd2_plan().algorithm, first_exit_probability=first)
+    assert algorithm.student_steps == STUDENT_STEPS > 2
+    draws = 4000
+    ranks = [DMD2Computer(_RecordingAdapter(), algorithm, seed=3, rank=r) for r in (0, 1)]
+    exits = [[c.exit_index() for _ in range(draws)] for c in ranks]
+    assert exits[0] == exits[1]
+    # the stream as documented: a uniform number, then (not the first step) an integer for the later steps
+    shared = generator(3, "dmd2.shared")
+    expected = []
+    for _ in range(draws):
+        if first is None:
+            expected.append(int(torch.randint(STUDENT_STEPS, (1,), generator=shared)))
+        elif float(torch.rand(1, generator=shared)) < first:
+            expected.append(0)
+        else:
+            expected.append(1 + int(torch.randint(STUDENT_STEPS - 1, (1,), generator=shared)))
+    assert exits[0] == expected
+    share = [exits[0].count(i) / draws for i in range(STUDENT_STEPS)]
+    p0 = 1.0 / STUDENT_STEPS if first is None else first
+    later = (1.0 - p0) / (STUDENT_STEPS - 1)
+    # binomial standard deviations at 4000 draws are <= 0.008: 0.035 is over 4 of them
+    assert abs(share[0] - p0) < 0.035, share
+    assert all(abs(s - later) < 0.035 for s in share[1:]), share
+    if first in (0.0, 1.0):
+        assert share[0] == first
+
+
+def test_regression_weight_decays_linearly_to_zero():
+    """algorithm.regression_decay_steps N: the weight at student step s (from 1) is w * max(0, 1 - s / N);
+    null keeps it constant."""
+    import dataclasses
+
+    constant = DMD2Computer(_RecordingAdapter(), dmd2_plan().algorithm, seed=0, rank=0)
+    assert [constant.regression_weight_at(s) for s in (1, 50, 10**6)] == [REGRESSION_WEIGHT] * 3
+    algorithm = dataclasses.replace(dmd2_plan().algorithm, regression_decay_steps=4)
+    decaying = DMD2Computer(_RecordingAdapter(), algorithm, seed=0, rank=0)
+    got = [decaying.regression_weight_at(s) for s in range(1, 7)]
+    assert got == pytest.approx([REGRESSION_WEIGHT * f for f in (0.75, 0.5, 0.25, 0.0, 0.0, 0.0)], abs=1e-15)
 
 
 def test_regression_term_needs_paired_data_in_the_batch():

@@ -199,12 +199,27 @@ INVALID = [
     ({"algorithm.student_sigmas": [0.0]}, "algorithm.student_sigmas[0]"),
     ({"algorithm.student_sigmas": "1.0"}, "algorithm.student_sigmas"),
     ({"algorithm.backward_simulation": "yes"}, "algorithm.backward_simulation"),
+    (
+        {"algorithm.student_steps": 4, "algorithm.first_exit_probability": 1.5},
+        "algorithm.first_exit_probability",
+    ),
+    (
+        {"algorithm.student_steps": 4, "algorithm.first_exit_probability": -0.1},
+        "algorithm.first_exit_probability",
+    ),
+    (
+        {"algorithm.student_steps": 4, "algorithm.first_exit_probability": True},
+        "algorithm.first_exit_probability",
+    ),
+    ({"algorithm.first_exit_probability": 0.5}, "algorithm.first_exit_probability"),  # a 1-step student
     ({"algorithm.gan_generator_weight": 0.01}, "algorithm.gan_generator_weight"),
     ({"algorithm.gan_discriminator_weight": -1.0}, "algorithm.gan_discriminator_weight"),
     ({"algorithm.gan_sigma_max": 0.0}, "algorithm.gan_sigma_max"),
     ({"algorithm.gan_sigma_max": 1.5}, "algorithm.gan_sigma_max"),
     ({"algorithm.gan_head": "mlp"}, "algorithm.gan_head"),
     ({"algorithm.regression_weight": -0.5}, "algorithm.regression_weight"),
+    ({"algorithm.regression_decay_steps": 0}, "algorithm.regression_decay_steps"),
+    ({"algorithm.regression_decay_steps": 2.5}, "algorithm.regression_decay_steps"),
     ({"algorithm.regression_weight": 1.0}, "data.regression_pairs_path"),
     ({"algorithm": 5}, "algorithm"),
     ({"model.adapter": ""}, "model.adapter"),
@@ -402,11 +417,13 @@ ALTERNATIVES = {
     "algorithm.student_steps": 1,  # changed together with student_sigmas below
     "algorithm.student_sigmas": [0.9],
     "algorithm.backward_simulation": False,
+    "algorithm.first_exit_probability": 0.75,  # needs a multi-step student: see COMPANIONS
     "algorithm.gan_generator_weight": 0.0,  # needs the discriminator weight: see test below
     "algorithm.gan_discriminator_weight": 0.01,
     "algorithm.gan_sigma_max": 0.3,
     "algorithm.gan_head": "pooled",
     "algorithm.regression_weight": 0.0,  # needs a data path: see test below
+    "algorithm.regression_decay_steps": 300,
     "algorithm.fake_score_weighting": "edm",
     "model.adapter": "sd3",
     "model.storage": "independent",
@@ -522,6 +539,7 @@ COMPANIONS = {
     # the GAN's head and levels are no difference while the GAN is off (GAN_ONLY_KEYS)
     "algorithm.gan_head": {"algorithm.gan_discriminator_weight": 0.01},
     "algorithm.gan_sigma_max": {"algorithm.gan_discriminator_weight": 0.01},
+    "algorithm.first_exit_probability": {"algorithm.student_steps": 4},
     "export.pipeline_source": {"export.formats": ["diffusers", "pipeline"]},
     "optim.student.scheduler.name": {"optim.student.scheduler.decay_steps": 100},
     "optim.student.scheduler.warmup_steps": {

@@ -20,7 +20,9 @@ Batch contract (per rank, split into micro-batches by the runtime):
 Randomness drawn here, in this order per micro-batch, from generators whose state
 is in `state_dict()`:
 1. the exit index of backward simulation (multi-step students), from the
-   *shared* generator seeded identically on every rank, so all ranks agree;
+   *shared* generator seeded identically on every rank, so all ranks agree (one
+   integer; with ``first_exit_probability`` a uniform number, then for a later
+   step an integer);
 2. per simulated step before the exit, the re-noising noise (local generator);
 3. in a student phase, the noise level per sample, then the noise ``eps`` (the GAN
    generator term reuses both); in a fake-score phase, the same two draws from the
@@ -187,9 +189,14 @@ class DMD2Computer:
 
     def exit_index(self) -> int:
         """Backward simulation: the step that runs with grad, the same on every rank."""
-        if self.algorithm.student_steps == 1:
+        steps, first = self.algorithm.student_steps, self.algorithm.first_exit_probability
+        if steps == 1:
             return 0
-        return int(torch.randint(self.algorithm.student_steps, (1,), generator=self.shared).item())
+        if first is None:  # every step equally likely (DMD2)
+            return int(torch.randint(steps, (1,), generator=self.shared).item())
+        if float(torch.rand(1, generator=self.shared).item()) < first:
+            return 0
+        return 1 + int(torch.randint(steps - 1, (1,), generator=self.shared).item())
 
     def student_sample(
         self, module, noise: torch.Tensor, cond: Mapping[str, Any], *, exit_index: int, grad: bool
@@ -222,10 +229,18 @@ class DMD2Computer:
         num_micro_batches: int,
     ) -> PhaseOutput:
         if request.role is Role.STUDENT:
-            return self._student_phase(batch, runtime)
+            return self._student_phase(batch, runtime, request.global_step + 1)
         return self._fake_score_phase(batch, runtime)
 
-    def _student_phase(self, batch, runtime: PhaseRuntime) -> PhaseOutput:
+    def regression_weight_at(self, step: int) -> float:
+        """The regression term's weight at student step `step` (counted from 1): `regression_weight`, or with
+        `regression_decay_steps` N falling linearly to 0 at step N (DMD2's GAN on real data takes over)."""
+        alg = self.algorithm
+        if alg.regression_decay_steps is None:
+            return alg.regression_weight
+        return alg.regression_weight * max(0.0, 1.0 - step / alg.regression_decay_steps)
+
+    def _student_phase(self, batch, runtime: PhaseRuntime, step: int) -> PhaseOutput:
         alg, adapter = self.algorithm, self.adapter
         noise, cond = batch["noise"], prefixed(batch, COND)
         exit_index = self.exit_index()
@@ -267,10 +282,11 @@ class DMD2Computer:
             # frozen fake score runs here, inside its role, not in the student's backward.
             wide = torch.promote_types(x.dtype, torch.float32)  # float32 or wider, as the DMD term
             loss = loss + alg.gan_generator_weight * (x.to(wide) * grad_x.to(wide)).sum()
-        if alg.regression_weight > 0:
+        weight = self.regression_weight_at(step)
+        if weight > 0:
             regression = self._regression_loss(batch, student)
             metrics["regression_loss"] = regression.detach()
-            loss = loss + alg.regression_weight * regression
+            loss = loss + weight * regression
         return PhaseOutput(loss=loss, metrics=metrics)
 
     def _gan_generator_gradient(self, x, eps, sigma, cond, runtime: PhaseRuntime):

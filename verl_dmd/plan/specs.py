@@ -63,6 +63,8 @@ ADDED_KEYS: dict[str, Any] = {
     "algorithm.fake_score_weighting": "uniform",  # after commit 1018912: the loss was the velocity MSE
     "algorithm.gan_sigma_max": None,  # issue 21: the GAN read the phases' noise levels
     "algorithm.gan_head": "pooled",  # issue 21: the head pooled the tokens before its MLP
+    "algorithm.first_exit_probability": None,  # issue 21: every exit of backward simulation equally likely
+    "algorithm.regression_decay_steps": None,  # issue 21: the regression weight was constant
 }
 
 GAN_ONLY_KEYS: tuple[str, ...] = ("algorithm.gan_head", "algorithm.gan_sigma_max")
@@ -334,6 +336,9 @@ class AlgorithmSpec:
     """Explicit student noise levels, strictly decreasing in (0, 1]; null: evenly spaced from 1, then shifted."""
     backward_simulation: bool = True
     """Multi-step students: train on states the student itself reaches (DMD2), not on noised data."""
+    first_exit_probability: float | None = None
+    """Multi-step students: the chance that a phase trains the first step (the 1-step output, with its fake
+    score and GAN); the later steps share the rest evenly. null: every step equally likely (DMD2)."""
     gan_generator_weight: float = 0.0
     """Weight of the GAN generator term (DMD2: 1e-3 to 5e-3); needs gan_discriminator_weight > 0."""
     gan_discriminator_weight: float = 0.0
@@ -349,6 +354,9 @@ class AlgorithmSpec:
     issue 21, which measured near chance on digits; docs/dmd2.md)."""
     regression_weight: float = 0.0
     """Weight of the DMD v1 regression term on paired teacher data; needs data.regression_pairs_path."""
+    regression_decay_steps: int | None = None
+    """The regression weight falls linearly to 0 over this many student steps (regression_weight x
+    max(0, 1 - step / N), steps counted from 1; the term is not computed once it is 0); null: constant."""
     fake_score_weighting: Literal["uniform", "dmd2_sd", "edm"] = "uniform"
     """The fake-score denoising loss: uniform (MSE of the model's own prediction, velocity for the flow
     families); dmd2_sd (MSE of the predicted noise, as DMD2's SD/SDXL code); edm (DMD2's ImageNet/EDM
@@ -402,6 +410,29 @@ class AlgorithmSpec:
                         value,
                         f"must be < the previous value {sigmas[i - 1]} (strictly decreasing)",
                     )
+        if self.first_exit_probability is not None:
+            p = self.first_exit_probability
+            if isinstance(p, bool) or not (
+                isinstance(p, (int, float)) and math.isfinite(p) and 0.0 <= p <= 1.0
+            ):
+                raise error(
+                    f"{key}.first_exit_probability", p, "must be a probability in [0, 1] or null",
+                    "e.g. 0.75, or null for every step equally likely",
+                )  # fmt: skip
+            if self.student_steps == 1:
+                raise error(
+                    f"{key}.first_exit_probability",
+                    p,
+                    f"a 1-step student ({key}.student_steps = 1) trains its only step in every phase",
+                    f"set {key}.first_exit_probability=null, or {key}.student_steps > 1",
+                )
+        if self.regression_decay_steps is not None:
+            check_int(
+                f"{key}.regression_decay_steps",
+                self.regression_decay_steps,
+                minimum=1,
+                fix=f"give a number of student steps, or null for a constant {key}.regression_weight",
+            )
         for name in ("gan_generator_weight", "gan_discriminator_weight", "regression_weight"):
             check_float(
                 f"{key}.{name}",
