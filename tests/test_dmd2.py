@@ -372,9 +372,16 @@ def test_unsupported_options_fail_at_construction():
             DMD2Computer(_RecordingAdapter(), algorithm, seed=0, rank=0)
 
 
-def test_state_dict_round_trip_reproduces_draws():
-    """Restoring the generator states reproduces the exit indices (and every later draw)."""
+@pytest.mark.parametrize("first_exit", [None, 0.75])
+def test_state_dict_round_trip_reproduces_draws(first_exit):
+    """Restoring the generator states reproduces the exit indices (and every later draw), uniform or with
+    algorithm.first_exit_probability."""
+    import dataclasses
+
     plan = dmd2_plan()
+    plan = dataclasses.replace(
+        plan, algorithm=dataclasses.replace(plan.algorithm, first_exit_probability=first_exit)
+    )
     first = DMD2Computer(_RecordingAdapter(), plan.algorithm, seed=5, rank=1)
     first.exit_index()
     state = {k: v.clone() for k, v in first.state_dict().items()}

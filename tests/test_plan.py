@@ -220,6 +220,7 @@ INVALID = [
     ({"algorithm.regression_weight": -0.5}, "algorithm.regression_weight"),
     ({"algorithm.regression_decay_steps": 0}, "algorithm.regression_decay_steps"),
     ({"algorithm.regression_decay_steps": 2.5}, "algorithm.regression_decay_steps"),
+    ({"algorithm.regression_decay_steps": 300}, "algorithm.regression_decay_steps"),  # no regression term
     ({"algorithm.regression_weight": 1.0}, "data.regression_pairs_path"),
     ({"algorithm": 5}, "algorithm"),
     ({"model.adapter": ""}, "model.adapter"),
@@ -540,6 +541,10 @@ COMPANIONS = {
     "algorithm.gan_head": {"algorithm.gan_discriminator_weight": 0.01},
     "algorithm.gan_sigma_max": {"algorithm.gan_discriminator_weight": 0.01},
     "algorithm.first_exit_probability": {"algorithm.student_steps": 4},
+    "algorithm.regression_decay_steps": {
+        "algorithm.regression_weight": 1.0,
+        "data.regression_pairs_path": "/data/pairs.safetensors",
+    },
     "export.pipeline_source": {"export.formats": ["diffusers", "pipeline"]},
     "optim.student.scheduler.name": {"optim.student.scheduler.decay_steps": 100},
     "optim.student.scheduler.warmup_steps": {

@@ -337,8 +337,9 @@ class AlgorithmSpec:
     backward_simulation: bool = True
     """Multi-step students: train on states the student itself reaches (DMD2), not on noised data."""
     first_exit_probability: float | None = None
-    """Multi-step students: the chance that a phase trains the first step (the 1-step output, with its fake
-    score and GAN); the later steps share the rest evenly. null: every step equally likely (DMD2)."""
+    """Multi-step students (backward simulation): the chance that a phase trains the first step (the 1-step
+    output: its DMD term, the fake score and GAN on its samples); the later steps share the rest evenly.
+    null: every step equally likely (DMD2)."""
     gan_generator_weight: float = 0.0
     """Weight of the GAN generator term (DMD2: 1e-3 to 5e-3); needs gan_discriminator_weight > 0."""
     gan_discriminator_weight: float = 0.0
@@ -356,7 +357,8 @@ class AlgorithmSpec:
     """Weight of the DMD v1 regression term on paired teacher data; needs data.regression_pairs_path."""
     regression_decay_steps: int | None = None
     """The regression weight falls linearly to 0 over this many student steps (regression_weight x
-    max(0, 1 - step / N), steps counted from 1; the term is not computed once it is 0); null: constant."""
+    max(0, 1 - step / N), steps counted from 1; the term is not computed once it is 0, so 1 turns it off);
+    needs regression_weight > 0; null: constant."""
     fake_score_weighting: Literal["uniform", "dmd2_sd", "edm"] = "uniform"
     """The fake-score denoising loss: uniform (MSE of the model's own prediction, velocity for the flow
     families); dmd2_sd (MSE of the predicted noise, as DMD2's SD/SDXL code); edm (DMD2's ImageNet/EDM
@@ -433,6 +435,13 @@ class AlgorithmSpec:
                 minimum=1,
                 fix=f"give a number of student steps, or null for a constant {key}.regression_weight",
             )
+            if not self.regression_weight > 0:
+                raise error(
+                    f"{key}.regression_decay_steps",
+                    self.regression_decay_steps,
+                    f"decays the regression term, which is off ({key}.regression_weight = 0)",
+                    f"set {key}.regression_decay_steps=null, or {key}.regression_weight > 0",
+                )
         for name in ("gan_generator_weight", "gan_discriminator_weight", "regression_weight"):
             check_float(
                 f"{key}.{name}",
