@@ -424,6 +424,12 @@ def test_first_exit_probability_sets_how_often_the_first_step_trains(first):
     assert all(abs(s - later) < 0.035 for s in share[1:]), share
     if first in (0.0, 1.0):
         assert share[0] == first
+    # a 1-step student trains its only step whatever the key says, and draws nothing for it
+    one_step = dataclasses.replace(algorithm, student_steps=1)
+    computer = DMD2Computer(_RecordingAdapter(), one_step, seed=3, rank=0)
+    before = computer.shared.get_state()
+    assert {computer.exit_index() for _ in range(50)} == {0}
+    assert torch.equal(computer.shared.get_state(), before)
 
 
 def test_regression_weight_decays_linearly_to_zero():

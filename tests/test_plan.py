@@ -211,7 +211,6 @@ INVALID = [
         {"algorithm.student_steps": 4, "algorithm.first_exit_probability": True},
         "algorithm.first_exit_probability",
     ),
-    ({"algorithm.first_exit_probability": 0.5}, "algorithm.first_exit_probability"),  # a 1-step student
     ({"algorithm.gan_generator_weight": 0.01}, "algorithm.gan_generator_weight"),
     ({"algorithm.gan_discriminator_weight": -1.0}, "algorithm.gan_discriminator_weight"),
     ({"algorithm.gan_sigma_max": 0.0}, "algorithm.gan_sigma_max"),
@@ -418,7 +417,7 @@ ALTERNATIVES = {
     "algorithm.student_steps": 1,  # changed together with student_sigmas below
     "algorithm.student_sigmas": [0.9],
     "algorithm.backward_simulation": False,
-    "algorithm.first_exit_probability": 0.75,  # needs a multi-step student: see COMPANIONS
+    "algorithm.first_exit_probability": 0.75,
     "algorithm.gan_generator_weight": 0.0,  # needs the discriminator weight: see test below
     "algorithm.gan_discriminator_weight": 0.01,
     "algorithm.gan_sigma_max": 0.3,
@@ -540,7 +539,6 @@ COMPANIONS = {
     # the GAN's head and levels are no difference while the GAN is off (GAN_ONLY_KEYS)
     "algorithm.gan_head": {"algorithm.gan_discriminator_weight": 0.01},
     "algorithm.gan_sigma_max": {"algorithm.gan_discriminator_weight": 0.01},
-    "algorithm.first_exit_probability": {"algorithm.student_steps": 4},
     "algorithm.regression_decay_steps": {
         "algorithm.regression_weight": 1.0,
         "data.regression_pairs_path": "/data/pairs.safetensors",

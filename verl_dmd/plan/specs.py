@@ -339,7 +339,8 @@ class AlgorithmSpec:
     first_exit_probability: float | None = None
     """Multi-step students (backward simulation): the chance that a phase trains the first step (the 1-step
     output: its DMD term, the fake score and GAN on its samples); the later steps share the rest evenly.
-    null: every step equally likely (DMD2)."""
+    null: every step equally likely (DMD2). A 1-step student trains its only step in every phase, whatever
+    this says (so a recipe may set it and still be run with student_steps=1)."""
     gan_generator_weight: float = 0.0
     """Weight of the GAN generator term (DMD2: 1e-3 to 5e-3); needs gan_discriminator_weight > 0."""
     gan_discriminator_weight: float = 0.0
@@ -421,13 +422,6 @@ class AlgorithmSpec:
                     f"{key}.first_exit_probability", p, "must be a probability in [0, 1] or null",
                     "e.g. 0.75, or null for every step equally likely",
                 )  # fmt: skip
-            if self.student_steps == 1:
-                raise error(
-                    f"{key}.first_exit_probability",
-                    p,
-                    f"a 1-step student ({key}.student_steps = 1) trains its only step in every phase",
-                    f"set {key}.first_exit_probability=null, or {key}.student_steps > 1",
-                )
         if self.regression_decay_steps is not None:
             check_int(
                 f"{key}.regression_decay_steps",
