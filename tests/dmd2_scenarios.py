@@ -20,7 +20,7 @@ STUDENT_STEP = 2  # the probed student phase: PhaseRequest(global_step=1), so st
 GAN_GENERATOR_WEIGHT = 0.7  # large, so that a wrong GAN gradient cannot hide under the DMD term
 
 
-def dmd2_plan(gan_sigma_max=None, gan_head="pooled", regression_decay_steps=None):
+def dmd2_plan(gan_sigma_max=None, gan_head="pooled", regression_decay_steps=None, gan_heads="shared"):
     return make_plan(
         "sd3",
         "shared_base_adapters",
@@ -38,6 +38,7 @@ def dmd2_plan(gan_sigma_max=None, gan_head="pooled", regression_decay_steps=None
             "algorithm.gan_discriminator_weight": 0.5,
             "algorithm.gan_sigma_max": gan_sigma_max,
             "algorithm.gan_head": gan_head,
+            "algorithm.gan_heads": gan_heads,
             "data.regression_pairs_path": "pairs.safetensors",  # the batch below carries the pairs
         },
     )
@@ -137,3 +138,90 @@ def probe_student_gradient(
             )
         ],
     }
+
+
+HEADS = ("dmd_gan_head", "dmd_gan_head_later")
+
+
+def probe_per_exit_heads(rank: int, world_size: int) -> dict:
+    """algorithm.gan_heads=per_exit_group: which head each phase moves, and which head a student phase's
+    GAN generator term reads (perturbing a head must change the student's gradient only if it is read)."""
+    plan = dmd2_plan(0.3, "conv", gan_heads="per_exit_group")
+    adapter = get_adapter("sd3")()
+    computer = DMD2Computer(adapter, plan.algorithm, seed=plan.trainer.seed, rank=rank)
+    engine = RoleEngine(plan, adapter, extra_modules=computer.extra_modules())
+    runtime = DistillationRoleRuntime(engine, computer)
+    controller = DistillationController(
+        fake_update_ratio=plan.algorithm.fake_update_ratio, fake_warmup_steps=1
+    )
+
+    def heads():
+        return {h: [full(p).detach().clone() for p in engine.extra_module(h).parameters()] for h in HEADS}
+
+    def next_exit() -> int:  # the phase's first draw from the shared stream, peeked and put back
+        state = computer.shared.get_state()
+        exit_index = computer.exit_index()
+        computer.shared.set_state(state)
+        return exit_index
+
+    phases = []
+    before = heads()
+    for phase in range(10):
+        role = controller.next_phase()
+        step = controller.student_steps if role is Role.STUDENT else controller.fake_steps
+        request = PhaseRequest(
+            role=role, global_step=controller.global_step, role_step=step, phase_index=phase
+        )
+        batch = dmd2_batch(adapter, engine.module_for(role), PER_RANK * world_size, seed=100 + phase)
+        exit_index = next_exit()
+        metrics = runtime.run_phase(request, local_part(batch, rank, world_size))
+        assert metrics["stepped"], metrics
+        controller.record(role, stepped=True)
+        now = heads()
+        moved = [
+            h for h in HEADS if any(not torch.equal(a, b) for a, b in zip(now[h], before[h], strict=True))
+        ]
+        phases.append((role.value, exit_index, moved))
+        before = now
+
+    def student_grads(state) -> list[torch.Tensor]:
+        computer.load_state_dict(state)
+        request = PhaseRequest(role=Role.STUDENT, global_step=5, role_step=1, phase_index=10)
+        probe = dmd2_batch(adapter, engine.module_for(Role.STUDENT), PER_RANK * world_size, seed=999)
+        engine.zero_grad(Role.STUDENT)
+        with engine.trainable(Role.STUDENT), engine.use_role(Role.STUDENT):
+            output = computer.compute_phase(
+                request, local_part(probe, rank, world_size), runtime.view, micro_batch_index=0,
+                num_micro_batches=1,
+            )  # fmt: skip
+            output.loss.backward()
+        return [full(p.grad).clone() for p in engine.params[Role.STUDENT]]
+
+    def perturbed(head: str, state) -> list[torch.Tensor]:
+        params = list(engine.extra_module(head).parameters())
+        saved = [p.detach().clone() for p in params]
+        with torch.no_grad():
+            for p in params:
+                p.add_(0.5)
+        grads = student_grads(state)
+        with torch.no_grad():
+            for p, q in zip(params, saved, strict=True):
+                p.copy_(q)
+        return grads
+
+    reads = {}  # exit group -> {head: does perturbing it change the student's gradient}
+    for _ in range(20):
+        state = {k: v.clone() for k, v in computer.state_dict().items()}
+        group = "first" if next_exit() == 0 else "later"
+        if group not in reads:
+            base = student_grads(state)
+            assert all(
+                torch.equal(a, b) for a, b in zip(base, student_grads(state), strict=True)
+            )  # replays bitwise
+            reads[group] = {
+                head: any(not torch.equal(a, b) for a, b in zip(base, perturbed(head, state), strict=True))
+                for head in HEADS
+            }
+        computer.load_state_dict(state)
+        computer.exit_index()  # on to another exit
+    return {"phases": phases, "reads": reads}

@@ -23,6 +23,7 @@ from dmd2_scenarios import (
     STUDENT_STEPS,
     dmd2_batch,
     dmd2_plan,
+    probe_per_exit_heads,
     probe_student_gradient,
 )
 from peft import LoraConfig
@@ -326,6 +327,38 @@ def test_gan_head_belongs_to_the_fake_score_and_learns_only_in_its_phases(probed
     # an untrained head outputs logits near 0: softplus(0) + softplus(0) = 2 log 2
     assert fake_metrics[0]["fake_score/gan_discriminator_loss"] == pytest.approx(2 * math.log(2), abs=0.3)
     assert math.isfinite(rank0["metrics"]["gan_generator_loss"])
+
+
+def test_per_exit_group_heads_each_learn_and_judge_only_their_own_steps(tmp_path):
+    """algorithm.gan_heads=per_exit_group: a fake-score phase trains only the head of the step it drew (the
+    first step's head, or the later steps'), a student phase trains neither, and a student phase's GAN
+    generator term reads only its step's head; both ranks agree."""
+    rank0, rank1 = run_ranks(probe_per_exit_heads, WORLD_SIZE, tmp_path)
+    assert rank0 == rank1
+    fake = [(exit_index, moved) for role, exit_index, moved in rank0["phases"] if role == "fake_score"]
+    assert {e == 0 for e, _ in fake} == {True, False}  # both exit groups were drawn
+    for exit_index, moved in fake:
+        assert moved == ["dmd_gan_head" if exit_index == 0 else "dmd_gan_head_later"], (exit_index, moved)
+    assert all(moved == [] for role, _, moved in rank0["phases"] if role == "student")
+    assert rank0["reads"] == {
+        "first": {"dmd_gan_head": True, "dmd_gan_head_later": False},
+        "later": {"dmd_gan_head": False, "dmd_gan_head_later": True},
+    }
+
+
+def test_per_exit_group_heads_are_declared_only_for_a_multi_step_student():
+    """A 1-step student has the one head whatever algorithm.gan_heads says; shared declares one head."""
+    adapter = get_adapter("sd3")()
+
+    def declared(**changes):
+        algorithm = dmd2_plan(gan_heads=changes.pop("gan_heads")).algorithm
+        algorithm = algorithm.__class__(**{**algorithm.__dict__, **changes})
+        return [m.name for m in DMD2Computer(adapter, algorithm, seed=0, rank=0).extra_modules()]
+
+    assert declared(gan_heads="per_exit_group") == ["dmd_gan_head", "dmd_gan_head_later"]
+    assert declared(gan_heads="per_exit_group", student_steps=1) == ["dmd_gan_head"]
+    assert declared(gan_heads="shared") == ["dmd_gan_head"]
+    assert declared(gan_heads="per_exit_group", gan_discriminator_weight=0.0, gan_generator_weight=0.0) == []
 
 
 def test_exit_index_is_shared_across_ranks(probed):

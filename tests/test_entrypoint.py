@@ -46,6 +46,15 @@ def test_dry_run_prints_plan_and_schedule(tmp_path):
     schedule = next(line for line in out.splitlines() if line.startswith("first 16 phases"))
     assert schedule.split(": ", 1)[1].split() == expected_schedule(4, 10, 16)
     assert not (tmp_path / "out" / "checkpoints").exists()  # nothing trained
+    assert "world size: 2 worker(s) on cpu" in out
+
+
+def test_dry_run_local_says_it_runs_one_rank(tmp_path):
+    """`--dry-run --local` reports the one rank the local backend runs, not the plan's two workers."""
+    result = run_main("--local", tmp_path=tmp_path)
+    assert result.returncode == 0, result.stderr
+    line = next(line for line in result.stdout.splitlines() if line.startswith("world size: "))
+    assert line.startswith("world size: 1 rank on cpu (--local; resources asks for 2 workers"), line
 
 
 def test_override_changes_the_schedule(tmp_path):

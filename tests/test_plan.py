@@ -216,6 +216,7 @@ INVALID = [
     ({"algorithm.gan_sigma_max": 0.0}, "algorithm.gan_sigma_max"),
     ({"algorithm.gan_sigma_max": 1.5}, "algorithm.gan_sigma_max"),
     ({"algorithm.gan_head": "mlp"}, "algorithm.gan_head"),
+    ({"algorithm.gan_heads": "per_step"}, "algorithm.gan_heads"),
     ({"algorithm.regression_weight": -0.5}, "algorithm.regression_weight"),
     ({"algorithm.regression_decay_steps": 0}, "algorithm.regression_decay_steps"),
     ({"algorithm.regression_decay_steps": 2.5}, "algorithm.regression_decay_steps"),
@@ -422,6 +423,7 @@ ALTERNATIVES = {
     "algorithm.gan_discriminator_weight": 0.01,
     "algorithm.gan_sigma_max": 0.3,
     "algorithm.gan_head": "pooled",
+    "algorithm.gan_heads": "per_exit_group",
     "algorithm.regression_weight": 0.0,  # needs a data path: see test below
     "algorithm.regression_decay_steps": 300,
     "algorithm.fake_score_weighting": "edm",
@@ -538,6 +540,7 @@ COMPANIONS = {
     "data.name": {"data.path": "/data/emb"},  # the embeddings provider needs a path
     # the GAN's head and levels are no difference while the GAN is off (GAN_ONLY_KEYS)
     "algorithm.gan_head": {"algorithm.gan_discriminator_weight": 0.01},
+    "algorithm.gan_heads": {"algorithm.gan_discriminator_weight": 0.01},
     "algorithm.gan_sigma_max": {"algorithm.gan_discriminator_weight": 0.01},
     "algorithm.regression_decay_steps": {
         "algorithm.regression_weight": 1.0,

@@ -73,10 +73,10 @@ def schedule_preview(plan: DistillationPlan, num_phases: int) -> list[str]:
     return roles
 
 
-def describe(plan: DistillationPlan) -> str:
-    """A human-readable summary: the resolved plan, its fingerprint and the schedule. The fingerprint holds
-    the content of the models named by path (read here, cached afterwards); where one is not at hand (a
-    plan looked at on another machine) the line says why instead."""
+def describe(plan: DistillationPlan, backend: str = "ray") -> str:
+    """A human-readable summary: the resolved plan, its fingerprint, the ranks `backend` runs and the
+    schedule. The fingerprint holds the content of the models named by path (read here, cached afterwards);
+    where one is not at hand (a plan looked at on another machine) the line says why instead."""
     try:
         fingerprint = plan.fingerprint()
     except PlanError as err:
@@ -85,11 +85,23 @@ def describe(plan: DistillationPlan) -> str:
         "verl_dmd resolved plan:",
         OmegaConf.to_yaml(OmegaConf.create(plan.to_dict())).rstrip(),
         f"plan fingerprint: {fingerprint}",
-        f"world size: {plan.resources.world_size} worker(s) on {plan.resources.device}",
+        world_size_line(plan, backend),
         f"first {PREVIEW_PHASES} phases (all succeeding): "
         + " ".join(schedule_preview(plan, PREVIEW_PHASES)),
     ]
     return "\n".join(lines)
+
+
+def world_size_line(plan: DistillationPlan, backend: str) -> str:
+    """How many ranks the run would have: the plan's workers, or one under the local backend (which says
+    so, as the run itself does)."""
+    asked, device = plan.resources.world_size, plan.resources.device
+    if backend != "local" or asked == 1:
+        return f"world size: {asked} worker(s) on {device}"
+    return (
+        f"world size: 1 rank on {device} (--local; resources asks for {asked} workers: per-rank batch sizes "
+        "are unchanged, so the global batch is smaller)"
+    )
 
 
 def check(plan: DistillationPlan, *, dry_run: bool, backend: str) -> None:
@@ -116,7 +128,7 @@ def run(cfg: Any, *, dry_run: bool = False, backend: str = "ray") -> int:
         print(f"verl-dmd: error: {err}", file=sys.stderr)
         return 2
     if dry_run:
-        print(describe(plan))
+        print(describe(plan, backend))
         return 0
     print(f"plan fingerprint: {plan.fingerprint()}", flush=True)
     from verl_dmd.trainer.ray_trainer import DistillationRayTrainer

@@ -51,7 +51,10 @@ from verl_dmd.seeding import generator, stream_seed
 COND, UNCOND, REGRESSION, REAL = "cond.", "uncond.", "regression.", "real."
 
 GAN_HEAD = "dmd_gan_head"
-"""Submodule name of the GAN head on the model that holds the fake score (checkpoint keys contain it)."""
+"""Submodule name of the GAN head on the model that holds the fake score (checkpoint keys contain it); with
+``algorithm.gan_heads=per_exit_group`` the head of the first step's samples."""
+GAN_HEAD_LATER = "dmd_gan_head_later"
+"""With ``algorithm.gan_heads=per_exit_group`` and a multi-step student: the head of the later steps' samples."""
 
 
 class GanHead(nn.Module):
@@ -179,11 +182,26 @@ class DMD2Computer:
             )
 
     def extra_modules(self) -> tuple[ExtraModule, ...]:
-        """The GAN head, when the discriminator term is on: a fake-score module on the fake score's model."""
+        """The GAN head, when the discriminator term is on: a fake-score module on the fake score's model; with
+        ``gan_heads=per_exit_group`` and more than one student step, a second one for the later steps."""
         if self.algorithm.gan_discriminator_weight == 0:
             return ()
         adapter, head = self.adapter, GAN_HEADS[self.algorithm.gan_head]
-        return (ExtraModule(GAN_HEAD, Role.FAKE_SCORE, lambda model: head(adapter.gan_feature_dim(model))),)
+        names = (GAN_HEAD, GAN_HEAD_LATER) if self._per_exit_heads else (GAN_HEAD,)
+        return tuple(
+            ExtraModule(name, Role.FAKE_SCORE, lambda model: head(adapter.gan_feature_dim(model)))
+            for name in names
+        )
+
+    @property
+    def _per_exit_heads(self) -> bool:
+        return self.algorithm.gan_heads == "per_exit_group" and self.algorithm.student_steps > 1
+
+    def _gan_head(self, runtime: PhaseRuntime, exit_index: int) -> nn.Module:
+        """The discriminator head of samples from student step `exit_index`: the one head, or per exit group
+        (the first step's, or the later steps' shared one)."""
+        later = self._per_exit_heads and exit_index > 0
+        return runtime.extra_module(GAN_HEAD_LATER if later else GAN_HEAD)
 
     # ------------------------------------------------------------------ sampling
 
@@ -276,7 +294,8 @@ class DMD2Computer:
             if alg.gan_sigma_max is not None:  # the GAN's own levels and noise, after the DMD term's draws
                 sigma = self._sigmas(x.shape[0], 0.0, alg.gan_sigma_max, x)
                 eps = draw_normal(x.shape, self.local, x)
-            generator, grad_x = self._gan_generator_gradient(x.detach(), eps, sigma, cond, runtime)
+            head = self._gan_head(runtime, exit_index)
+            generator, grad_x = self._gan_generator_gradient(x.detach(), eps, sigma, cond, runtime, head)
             metrics["gan_generator_loss"] = generator
             # Like the DMD term, a surrogate whose gradient in x is dL_g/dx: the backward through the
             # frozen fake score runs here, inside its role, not in the student's backward.
@@ -289,14 +308,14 @@ class DMD2Computer:
             loss = loss + weight * regression
         return PhaseOutput(loss=loss, metrics=metrics)
 
-    def _gan_generator_gradient(self, x, eps, sigma, cond, runtime: PhaseRuntime):
+    def _gan_generator_gradient(self, x, eps, sigma, cond, runtime: PhaseRuntime, head: nn.Module):
         """L_g = mean softplus(-D(x_t)) at the given level and eps (the DMD term's, or the GAN's own with
-        gan_sigma_max), and dL_g/dx."""
+        gan_sigma_max), D reading `head`, and dL_g/dx."""
         x = x.requires_grad_(True)
         with runtime.use_role(Role.FAKE_SCORE) as fake, torch.enable_grad():
             x_t = self.adapter.add_noise(x, eps, sigma)
             _, features = self.adapter.predict_with_features(fake, x_t, sigma, cond)
-            logits = runtime.extra_module(GAN_HEAD)(features, self.adapter.gan_feature_grid(x_t, features))
+            logits = head(features, self.adapter.gan_feature_grid(x_t, features))
             generator = losses.gan_generator_loss(logits)
             (grad_x,) = torch.autograd.grad(generator, x)
         return generator.detach(), grad_x
@@ -351,7 +370,7 @@ class DMD2Computer:
         denoise = losses.fake_score_loss(prediction, adapter.prediction_target(x, eps, sigma), weight)
         x_t_real = adapter.add_noise(x_real, draw_normal(x_real.shape, self.local, x_real), real_sigma)
         _, real_features = adapter.predict_with_features(fake, x_t_real, real_sigma, prefixed(real, COND))
-        head = runtime.extra_module(GAN_HEAD)
+        head = self._gan_head(runtime, exit_index)
         discriminator = losses.gan_discriminator_loss(
             head(fake_features, adapter.gan_feature_grid(x_t_fake, fake_features)),
             head(real_features, adapter.gan_feature_grid(x_t_real, real_features)),

@@ -65,9 +65,10 @@ ADDED_KEYS: dict[str, Any] = {
     "algorithm.gan_head": "pooled",  # issue 21: the head pooled the tokens before its MLP
     "algorithm.first_exit_probability": None,  # issue 21: every exit of backward simulation equally likely
     "algorithm.regression_decay_steps": None,  # issue 21: the regression weight was constant
+    "algorithm.gan_heads": "shared",  # issue 21: one discriminator head for every student step
 }
 
-GAN_ONLY_KEYS: tuple[str, ...] = ("algorithm.gan_head", "algorithm.gan_sigma_max")
+GAN_ONLY_KEYS: tuple[str, ...] = ("algorithm.gan_head", "algorithm.gan_heads", "algorithm.gan_sigma_max")
 """Keys that change nothing while the GAN is off (``algorithm.gan_discriminator_weight`` 0, which the generator
 term needs): between two plans that both have it off they are no difference (a checkpoint without the GAN
 resumes whatever head and levels the plan names)."""
@@ -354,6 +355,12 @@ class AlgorithmSpec:
     """The discriminator head: conv (the features' tokens on their grid, stride-2 convolutions, so it sees where
     things are, as DMD2's convolutional heads) or pooled (mean over tokens first, then an MLP: the head before
     issue 21, which measured near chance on digits; docs/dmd2.md)."""
+    gan_heads: Literal["shared", "per_exit_group"] = "shared"
+    """shared: one discriminator head for the samples of every student step; per_exit_group (multi-step
+    students): one head for the first step's samples (the 1-step output) and another for the later steps',
+    each trained and read only in the phases that draw its steps (the fake score under them is shared; the
+    second head is the fake score's submodule dmd_gan_head_later). A 1-step student has the one head either
+    way."""
     regression_weight: float = 0.0
     """Weight of the DMD v1 regression term on paired teacher data; needs data.regression_pairs_path."""
     regression_decay_steps: int | None = None
