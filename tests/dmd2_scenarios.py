@@ -17,7 +17,8 @@ STUDENT_STEPS = 3
 PER_RANK = 4
 REGRESSION_WEIGHT = 0.5
 STUDENT_STEP = 2  # the probed student phase: PhaseRequest(global_step=1), so student step 2 (from 1)
-GAN_GENERATOR_WEIGHT = 0.7  # large, so that a wrong GAN gradient cannot hide under the DMD term
+GAN_GENERATOR_WEIGHT = 0.7
+REGRESSION_PREFIX = "regression."  # large, so that a wrong GAN gradient cannot hide under the DMD term
 
 
 def dmd2_plan(gan_sigma_max=None, gan_head="pooled", regression_decay_steps=None, gan_heads="shared"):
@@ -225,3 +226,37 @@ def probe_per_exit_heads(rank: int, world_size: int) -> dict:
         computer.load_state_dict(state)
         computer.exit_index()  # on to another exit
     return {"phases": phases, "reads": reads}
+
+
+def run_heads_in_bf16_with_accumulation(rank: int, world_size: int) -> list[str]:
+    """bf16 parameters, two micro-batches per phase and every exit the first: the later steps' head never
+    runs, and the first micro-batch's backward (no gradient sync) must still finish."""
+    plan = make_plan(
+        "sd3",
+        "shared_base_adapters",
+        **{
+            "algorithm.student_steps": 3,
+            "algorithm.first_exit_probability": 1.0,
+            "algorithm.gan_generator_weight": 0.7,
+            "algorithm.gan_discriminator_weight": 0.5,
+            "algorithm.gan_sigma_max": 0.3,
+            "algorithm.gan_head": "conv",
+            "algorithm.gan_heads": "per_exit_group",
+            "batch.student.accumulation_steps": 2,
+            "batch.fake_score.accumulation_steps": 2,
+            "model.param_dtype": "bfloat16",
+            "model.reduce_dtype": "float32",
+        },
+    )
+    adapter = get_adapter("sd3")()
+    computer = DMD2Computer(adapter, plan.algorithm, seed=plan.trainer.seed, rank=rank)
+    engine = RoleEngine(plan, adapter, extra_modules=computer.extra_modules())
+    runtime = DistillationRoleRuntime(engine, computer)
+    done = []
+    for phase, role in enumerate([Role.FAKE_SCORE, Role.STUDENT, Role.FAKE_SCORE]):
+        batch = dmd2_batch(adapter, engine.module_for(role), PER_RANK * world_size, seed=phase)
+        batch = {k: v for k, v in batch.items() if not k.startswith(REGRESSION_PREFIX)}
+        request = PhaseRequest(role=role, global_step=0, role_step=phase, phase_index=phase)
+        metrics = runtime.run_phase(request, local_part(batch, rank, world_size))
+        done.append(f"{role.value}:{bool(metrics['stepped'])}")
+    return done

@@ -25,6 +25,7 @@ from dmd2_scenarios import (
     dmd2_plan,
     probe_per_exit_heads,
     probe_student_gradient,
+    run_heads_in_bf16_with_accumulation,
 )
 from peft import LoraConfig
 from runtime_scenarios import default_dtype
@@ -344,6 +345,14 @@ def test_per_exit_group_heads_each_learn_and_judge_only_their_own_steps(tmp_path
         "first": {"dmd_gan_head": True, "dmd_gan_head_later": False},
         "later": {"dmd_gan_head": False, "dmd_gan_head_later": True},
     }
+
+
+def test_a_head_no_micro_batch_runs_does_not_break_a_backward_without_gradient_sync(tmp_path):
+    """bf16, two micro-batches per phase, every exit the first: the later steps' head never runs forward,
+    and FSDP2's backward of the first micro-batch (no gradient sync) used to fail on it (the engine now
+    gathers every declared module once at start)."""
+    for rank in run_ranks(run_heads_in_bf16_with_accumulation, WORLD_SIZE, tmp_path):
+        assert rank == ["fake_score:True", "student:True", "fake_score:True"]
 
 
 def test_per_exit_group_heads_are_declared_only_for_a_multi_step_student():

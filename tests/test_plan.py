@@ -540,7 +540,9 @@ COMPANIONS = {
     "data.name": {"data.path": "/data/emb"},  # the embeddings provider needs a path
     # the GAN's head and levels are no difference while the GAN is off (GAN_ONLY_KEYS)
     "algorithm.gan_head": {"algorithm.gan_discriminator_weight": 0.01},
-    "algorithm.gan_heads": {"algorithm.gan_discriminator_weight": 0.01},
+    # and gan_heads and first_exit_probability none while the student takes 1 step (MULTI_STEP_ONLY_KEYS)
+    "algorithm.gan_heads": {"algorithm.gan_discriminator_weight": 0.01, "algorithm.student_steps": 2},
+    "algorithm.first_exit_probability": {"algorithm.student_steps": 2},
     "algorithm.gan_sigma_max": {"algorithm.gan_discriminator_weight": 0.01},
     "algorithm.regression_decay_steps": {
         "algorithm.regression_weight": 1.0,
@@ -744,6 +746,23 @@ def test_a_key_added_later_is_no_difference_at_the_value_it_replaced():
     at_old = DistillationPlan.from_config(with_overrides({**gan, "algorithm.gan_head": "pooled"}))
     assert at_old.semantic_differences(stored) == []
     assert set(ADDED_KEYS) <= set(plan_keys()) and not any(_is_mutable(k) for k in ADDED_KEYS)
+
+
+def test_keys_of_multi_step_students_are_no_difference_for_a_1_step_student():
+    """A 1-step student builds one GAN head and trains its only step whatever algorithm.gan_heads and
+    algorithm.first_exit_probability say: a checkpoint of one resumes under the other; with more steps it
+    does not."""
+    gan = {"algorithm.gan_discriminator_weight": 0.01}
+    one = {**gan, "algorithm.gan_heads": "shared", "algorithm.first_exit_probability": None}
+    other = {**gan, "algorithm.gan_heads": "per_exit_group", "algorithm.first_exit_probability": 0.5}
+    stored = DistillationPlan.from_config(with_overrides(one)).semantic_dict()
+    assert DistillationPlan.from_config(with_overrides(other)).semantic_differences(stored) == []
+    steps = {"algorithm.student_steps": 4}
+    stored = DistillationPlan.from_config(with_overrides({**one, **steps})).semantic_dict()
+    assert DistillationPlan.from_config(with_overrides({**other, **steps})).semantic_differences(stored) == [
+        ("algorithm.first_exit_probability", None, 0.5),
+        ("algorithm.gan_heads", "shared", "per_exit_group"),
+    ]
 
 
 @pytest.mark.parametrize(

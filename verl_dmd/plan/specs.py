@@ -73,6 +73,10 @@ GAN_ONLY_KEYS: tuple[str, ...] = ("algorithm.gan_head", "algorithm.gan_heads", "
 term needs): between two plans that both have it off they are no difference (a checkpoint without the GAN
 resumes whatever head and levels the plan names)."""
 
+MULTI_STEP_ONLY_KEYS: tuple[str, ...] = ("algorithm.gan_heads", "algorithm.first_exit_probability")
+"""Keys that change nothing for a 1-step student (``algorithm.student_steps`` 1): between two plans that both
+train one step they are no difference (one GAN head, and every phase trains the only step)."""
+
 MODEL_SOURCES = ("teacher", "student", "fake_score")
 """The roles whose model a plan names (``model.<role>``): by path, by config, or (student, fake score) not at
 all (a copy of the teacher)."""
@@ -358,7 +362,7 @@ class AlgorithmSpec:
     gan_heads: Literal["shared", "per_exit_group"] = "shared"
     """shared: one discriminator head for the samples of every student step; per_exit_group (multi-step
     students): one head for the first step's samples (the 1-step output) and another for the later steps',
-    each trained and read only in the phases that draw its steps (the fake score under them is shared; the
+    each trained and read only by the micro-batches that draw its steps (the fake score under them is shared; the
     second head is the fake score's submodule dmd_gan_head_later). A 1-step student has the one head either
     way."""
     regression_weight: float = 0.0
@@ -1137,7 +1141,8 @@ class DistillationPlan:
         checkpoint manifest); a key present on one side only shows as `<absent>`, except a key of
         `ADDED_KEYS` that the other side lacks: it holds the value listed there (the behaviour before the key
         existed), so it is no difference where this plan holds that value and shows it where not. The keys of
-        `GAN_ONLY_KEYS` are no difference when both plans have the GAN off. Keys that were semantic when
+        `GAN_ONLY_KEYS` are no difference when both plans have the GAN off, those of `MULTI_STEP_ONLY_KEYS` when
+        both train a 1-step student. Keys that were semantic when
         `other_semantic` was written and are resume-mutable now (`RESUME_MUTABLE_KEYS`) are no difference, except a model's path and subfolder
         where `other_semantic` has no ``content_sha256`` for it (written before models were identified by
         content, `LOCATION_KEYS`): they are compared as written, and the content is not.
@@ -1158,6 +1163,10 @@ class DistillationPlan:
                 theirs[key] = before
         if all(side.get("algorithm.gan_discriminator_weight", 0) == 0 for side in (mine, theirs)):
             for key in GAN_ONLY_KEYS:
+                mine.pop(key, None)
+                theirs.pop(key, None)
+        if all(side.get("algorithm.student_steps", 1) == 1 for side in (mine, theirs)):
+            for key in MULTI_STEP_ONLY_KEYS:  # a 1-step student builds and trains the same under every value
                 mine.pop(key, None)
                 theirs.pop(key, None)
         return [

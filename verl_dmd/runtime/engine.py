@@ -179,6 +179,9 @@ class RoleEngine:
         self._trainable = None
         trainable = [p for role in TRAINABLE_ROLES for p in self.params[role]]
         sharding.finish_lazy_init(self.models.values(), trainable)
+        # declared modules run in some micro-batches only (a GAN head per exit group): gathered once now, so a
+        # micro-batch that skips one can still finish its backward without gradient sync
+        sharding.gather_once(self.extra_modules.values())
 
     def verify_layout(self) -> None:
         """Fail closed if the models gained parameters after sharding or lost their sharding (every phase)."""

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from verl_dmd.plan import ModelSpec
@@ -213,6 +213,21 @@ def compile_units(units: Iterable[nn.Module], backend: str) -> None:
     for unit in units:
         inner = getattr(unit, "_checkpoint_wrapped_module", unit)
         inner.forward = torch.compile(inner.forward, backend=backend)
+
+
+def gather_once(units: Iterable[nn.Module]) -> None:
+    """Gather and release each FSDP2 unit once, one at a time.
+
+    A unit whose forward has not run yet holds no unsharded parameters; a backward without gradient
+    sync (a micro-batch before the last) then fails in FSDP2's end-of-backward pass over the root's
+    units ("'FSDPParam' object has no attribute '_unsharded_param'", torch 2.13, bf16 parameters). A
+    unit that only some micro-batches use, such as one of DMD2's GAN heads per exit group, meets that
+    on the first phase that does not run it; gathered once here, it never does.
+    """
+    for unit in units:
+        if isinstance(unit, FSDPModule):
+            unit.unshard()
+            unit.reshard()
 
 
 def finish_lazy_init(models: Iterable[nn.Module], trainable: Iterable[nn.Parameter]) -> None:
