@@ -157,6 +157,19 @@ def test_digits_recipe_composes_with_hydra():
     assert plan.resources.world_size == 2
 
 
+def test_the_digits_recipe_turns_its_decayed_regression_term_off_with_one_override():
+    """The recipe decays its regression term (algorithm.regression_decay_steps); `algorithm.regression_weight=0`
+    alone turns the term off (the decay has nothing to decay), as it did before the recipe decayed it."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(ROOT / "recipes"), version_base=None):
+        cfg = compose(config_name="digits_dmd2", overrides=["algorithm.regression_weight=0"])
+    plan = DistillationPlan.from_config(cfg)
+    assert plan.algorithm.regression_decay_steps == 600 and plan.algorithm.regression_weight == 0
+    plan = DistillationPlan.from_config(with_overrides({"algorithm.regression_decay_steps": 300}))
+    assert plan.algorithm.regression_weight == 0 and plan.algorithm.regression_decay_steps == 300
+
+
 def test_tracking_backends_match_verl():
     """The logger names the plan accepts are the ones verl's Tracking supports."""
     from verl.utils.tracking import Tracking
@@ -220,7 +233,6 @@ INVALID = [
     ({"algorithm.regression_weight": -0.5}, "algorithm.regression_weight"),
     ({"algorithm.regression_decay_steps": 0}, "algorithm.regression_decay_steps"),
     ({"algorithm.regression_decay_steps": 2.5}, "algorithm.regression_decay_steps"),
-    ({"algorithm.regression_decay_steps": 300}, "algorithm.regression_decay_steps"),  # no regression term
     ({"algorithm.regression_weight": 1.0}, "data.regression_pairs_path"),
     ({"algorithm": 5}, "algorithm"),
     ({"model.adapter": ""}, "model.adapter"),

@@ -370,7 +370,7 @@ class AlgorithmSpec:
     regression_decay_steps: int | None = None
     """The regression weight falls linearly to 0 over this many student steps (regression_weight x
     max(0, 1 - step / N), steps counted from 1; the term is not computed once it is 0, so 1 turns it off);
-    needs regression_weight > 0; null: constant."""
+    with regression_weight 0 it does nothing (the term is off); null: constant."""
     fake_score_weighting: Literal["uniform", "dmd2_sd", "edm"] = "uniform"
     """The fake-score denoising loss: uniform (MSE of the model's own prediction, velocity for the flow
     families); dmd2_sd (MSE of the predicted noise, as DMD2's SD/SDXL code); edm (DMD2's ImageNet/EDM
@@ -440,13 +440,8 @@ class AlgorithmSpec:
                 minimum=1,
                 fix=f"give a number of student steps, or null for a constant {key}.regression_weight",
             )
-            if not self.regression_weight > 0:
-                raise error(
-                    f"{key}.regression_decay_steps",
-                    self.regression_decay_steps,
-                    f"decays the regression term, which is off ({key}.regression_weight = 0)",
-                    f"set {key}.regression_decay_steps=null, or {key}.regression_weight > 0",
-                )
+            # with regression_weight 0 the decay has nothing to decay: allowed, so that turning the term off in
+            # a recipe that decays it (the digits default) is one override
         for name in ("gan_generator_weight", "gan_discriminator_weight", "regression_weight"):
             check_float(
                 f"{key}.{name}",
