@@ -394,7 +394,9 @@ def load_each(rank: int, world_size: int, layout: str, cases: list[tuple[str, di
     out = []
     for root, overrides in cases:
         key = repr(sorted(overrides.items()))
-        stack = stacks.setdefault(key, Stack(rank, world_size, layout, **overrides))
+        if key not in stacks:
+            stacks[key] = Stack(rank, world_size, layout, **overrides)
+        stack = stacks[key]
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             try:
@@ -404,4 +406,48 @@ def load_each(rank: int, world_size: int, layout: str, cases: list[tuple[str, di
                 continue
         out.append({"step": None if loaded is None else loaded.global_step, "digest": _digest(stack.snapshot()),
                     "warnings": [str(w.message) for w in seen], "error": None})  # fmt: skip
+    return out
+
+
+def one_rank_fails(rank: int, world_size: int, layout: str, root: str) -> list[tuple[str, str, str]]:
+    """A save, then saves and loads with a step that fails on one rank only (name, type and message of
+    what each raised), then a load that works: no rank may be left waiting for the one that failed."""
+    from contextlib import nullcontext
+    from unittest import mock
+
+    stack = Stack(rank, world_size, layout)
+    stack.run(PHASES)
+    stack.save(root)
+
+    def on(failing: int, name: str, error: Exception):
+        return (
+            mock.patch.object(CheckpointStore, name, side_effect=error) if rank == failing else nullcontext()
+        )
+
+    def fault_on_1(point: str) -> None:
+        if rank == 1 and point == "rng":
+            raise OSError(28, "No space left on device")
+
+    cases = {
+        "verify": lambda: on(1, "verify", CheckpointError("manifest.json: unreadable on rank 1 alone")),
+        "candidates": lambda: on(0, "candidates", PermissionError(13, "Permission denied", root)),
+        "set_aside": lambda: on(0, "set_aside_newer_than", OSError(30, "Read-only file system")),
+        "begin": lambda: on(0, "begin", CheckpointError("global_step = -1: must be an integer >= 0")),
+        "publish": lambda: on(0, "publish", OSError(28, "No space left on device")),
+    }
+    out = []
+    for name, patch in cases.items():
+        try:
+            with patch():
+                stack.save(root) if name in ("begin", "publish") else stack.load(root)
+            out.append((name, "none", ""))
+        except Exception as err:
+            out.append((name, type(err).__name__, str(err)))
+    try:
+        stack.save(root, store=CheckpointStore(root, fault_hook=fault_on_1))
+        out.append(("rng", "none", ""))
+    except Exception as err:
+        out.append(("rng", type(err).__name__, str(err)))
+    loaded = stack.load(root)
+    out.append(("load", "none", str(loaded.global_step)))
     return out

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from composite_scenarios import resume_with, resumed, straight
+from composite_scenarios import one_rank_fails, resume_with, resumed, straight
 from dist_harness import run_ranks
 
 from verl_dmd.checkpoint.store import CheckpointStore
@@ -126,3 +126,22 @@ def test_fsdp_granularity_and_resharding_do_not_change_the_math(tmp_path, layout
     fast = {"model.fsdp_units": "model", "model.reshard_after_forward": False}
     (variant, _) = run_ranks(sharding_variant, 2, tmp_path / "b", layout, fast)
     assert_equal_state(variant, default, "fsdp_units=model, reshard_after_forward=false")
+
+
+def test_a_step_that_fails_on_one_rank_fails_on_every_rank(tmp_path):
+    """Reading a manifest, listing the checkpoints, setting newer ones aside, and every write of a save,
+    failing on one rank alone: that rank raises its own error, every other rank a CheckpointError naming it
+    (no rank is left waiting in a collective), and the ranks stay in step (a load then works)."""
+    ranks = run_ranks(one_rank_fails, 2, tmp_path / "ranks", "independent", str(tmp_path / "ckpt"))
+    got = [{name: (kind, message) for name, kind, message in results} for results in ranks]
+    for rank in (0, 1):
+        assert got[rank]["verify"] == ("CheckpointError", "manifest.json: unreadable on rank 1 alone")
+        assert got[rank]["begin"] == ("CheckpointError", "global_step = -1: must be an integer >= 0")
+        assert got[rank]["load"] == ("none", "2")
+    for name, failing, kind in [("candidates", 0, "PermissionError"), ("set_aside", 0, "OSError"),
+                                ("publish", 0, "OSError"), ("rng", 1, "OSError")]:  # fmt: skip
+        assert got[failing][name][0] == kind, (name, got[failing][name])
+        other = got[1 - failing][name]
+        assert other[0] == "CheckpointError" and other[1].startswith(f"rank {failing} failed ({kind}: "), (
+            other
+        )

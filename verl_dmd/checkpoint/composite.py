@@ -18,9 +18,11 @@ from __future__ import annotations
 import json
 import random
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -35,6 +37,8 @@ from verl_dmd.seeding import stream_seed
 ENGINE_DIR = "engine"
 RNG_DIR = "rng"
 TRAINER_STATE = "trainer_state.json"
+
+T = TypeVar("T")
 
 
 def checkpoint_root(plan) -> Path:
@@ -94,10 +98,36 @@ def restore_rng(state: dict[str, torch.Tensor]) -> None:
     random.setstate((version, tuple(internal), None if gauss != gauss else gauss))
 
 
-def _broadcast_path(path: str | None) -> str | None:
-    holder = [path]
+def _broadcast(value: Any) -> Any:
+    """Rank 0's `value` on every rank (collective)."""
+    holder = [value]
     dist.broadcast_object_list(holder, src=0)  # our own strings, within the job's process group
     return holder[0]
+
+
+def _agreed(fn: Callable[[], T], *, rank0_only: bool = False) -> T | None:
+    """`fn()` on this rank (on rank 0 alone with `rank0_only`; None elsewhere), then agreement (collective).
+
+    When `fn` raised on any rank, every rank raises, so that none is left waiting in a later collective for
+    a rank that failed. A rank raises its own error when it is the only one (or any error but a
+    CheckpointError); otherwise a CheckpointError joining every rank's message: a CheckpointError's as it
+    is (identical ones once), any other error's as "rank R failed (Type: first line)".
+    """
+    rank = dist.get_rank()
+    result, own, messages = None, None, []
+    if not rank0_only or rank == 0:
+        try:
+            result = fn()
+        except CheckpointError as err:
+            own, messages = err, [str(err)]
+        except Exception as err:
+            own, messages = err, [f"rank {rank} failed ({_first_line(err)})"]
+    messages = _agree(messages)
+    if own is not None and (not isinstance(own, CheckpointError) or messages == [str(own)]):
+        raise own
+    if messages:
+        raise CheckpointError("; ".join(messages)) from own
+    return result
 
 
 def save_checkpoint(
@@ -111,19 +141,22 @@ def save_checkpoint(
 ) -> Path:
     """Write and publish the checkpoint of `global_step`; returns its directory on every rank."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    staging = Path(_broadcast_path(str(store.begin(global_step)) if rank == 0 else None))
-    save_engine(engine, staging / ENGINE_DIR)
+    staging = Path(_broadcast(_agreed(lambda: str(store.begin(global_step)), rank0_only=True)))
+    save_engine(engine, staging / ENGINE_DIR)  # DCP: a failure on one rank raises on every rank
     store.fault("engine")
-    (staging / RNG_DIR).mkdir(exist_ok=True)
-    torch.save(rank_state, staging / RNG_DIR / f"rank_{rank}.pt")
-    store.fault("rng")
-    if rank == 0:
-        state = {"trainer": trainer_state, "schedule": schedule_state(engine)}
-        (staging / TRAINER_STATE).write_text(json.dumps(state, sort_keys=True, indent=1) + "\n")
-        store.fault("trainer_state")
-    dist.barrier()
-    published = None
-    if rank == 0:
+
+    def write_own_files() -> None:
+        (staging / RNG_DIR).mkdir(exist_ok=True)
+        torch.save(rank_state, staging / RNG_DIR / f"rank_{rank}.pt")
+        store.fault("rng")
+        if rank == 0:
+            state = {"trainer": trainer_state, "schedule": schedule_state(engine)}
+            (staging / TRAINER_STATE).write_text(json.dumps(state, sort_keys=True, indent=1) + "\n")
+            store.fault("trainer_state")
+
+    _agreed(write_own_files)  # (also the barrier: every rank's files are written before the publication)
+
+    def publish() -> str:
         checkpoint = store.publish(
             staging,
             global_step=global_step,
@@ -134,8 +167,9 @@ def save_checkpoint(
             keep_every=plan.checkpoint.keep_every,
             extra={"plan": plan.semantic_dict()},
         )
-        published = str(checkpoint.path)
-    return Path(_broadcast_path(published))
+        return str(checkpoint.path)
+
+    return Path(_broadcast(_agreed(publish, rank0_only=True)))
 
 
 @dataclass(frozen=True)
@@ -285,6 +319,11 @@ def _first_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"
 
 
+def _new_timeline(store: CheckpointStore, plan, global_step: int) -> None:
+    store.set_aside_newer_than(global_step)
+    store.apply_retention(keep_last=plan.checkpoint.keep_last, keep_every=plan.checkpoint.keep_every)
+
+
 def load_checkpoint(store: CheckpointStore, engine, plan) -> LoadedCheckpoint | None:
     """Resolve `plan.checkpoint.resume` and load the newest intact candidate into the engine, in place.
 
@@ -296,26 +335,25 @@ def load_checkpoint(store: CheckpointStore, engine, plan) -> LoadedCheckpoint | 
     cut short by a crash may have published without it).
     """
     rank = dist.get_rank()
-    listing = None
-    if rank == 0:
-        try:
-            found = store.candidates(plan.checkpoint.resume)
-            listing = {"paths": [str(c.path) for c in found.checkpoints], "damaged": found.damaged,
-                       "explicit": found.explicit, "root": str(found.root or store.root)}  # fmt: skip
-        except CheckpointError as err:
-            listing = {"error": str(err)}
-    holder = [listing]
-    dist.broadcast_object_list(holder, src=0)  # our own strings, within the job's process group
-    listing = holder[0]
-    if "error" in listing:
-        raise CheckpointError(listing["error"])
+
+    def listed() -> dict[str, Any]:
+        found = store.candidates(plan.checkpoint.resume)
+        return {"paths": [str(c.path) for c in found.checkpoints], "damaged": found.damaged,
+                "explicit": found.explicit, "root": str(found.root or store.root)}  # fmt: skip
+
+    listing = _broadcast(_agreed(listed, rank0_only=True))
     damaged = list(listing["damaged"])
     if rank == 0:
         for err in damaged:  # manifests that do not check out, or files of the wrong size
             warnings.warn(f"skipping damaged checkpoint: {err}", stacklevel=2)
-    for found in listing["paths"]:
+
+    def trusted(found: str) -> Checkpoint:
         checkpoint = CheckpointStore.verify(found)  # every rank reads the manifest it will trust
         check_plan(checkpoint, plan)  # before any weight is read (and before anything is set aside)
+        return checkpoint
+
+    for found in listing["paths"]:
+        checkpoint = _agreed(partial(trusted, found))
         try:
             state, rank_state = _load_verified(checkpoint, engine, plan)
         except _Damaged as err:
@@ -325,15 +363,13 @@ def load_checkpoint(store: CheckpointStore, engine, plan) -> LoadedCheckpoint | 
             if rank == 0:
                 warnings.warn(f"skipping damaged checkpoint {checkpoint.path.name}: {err}", stacklevel=2)
             continue
-        if rank == 0:  # (only this run's root is touched, whichever root the checkpoint came from)
-            # A new timeline starts here: later (abandoned or damaged) checkpoints are set aside.
-            store.set_aside_newer_than(checkpoint.global_step)
-            store.apply_retention(keep_last=plan.checkpoint.keep_last, keep_every=plan.checkpoint.keep_every)
-        dist.barrier()
+        # A new timeline starts here: later (abandoned or damaged) checkpoints are set aside (only this
+        # run's root is touched, whichever root the checkpoint came from). Also the barrier.
+        _agreed(partial(_new_timeline, store, plan, checkpoint.global_step), rank0_only=True)
         return LoadedCheckpoint(checkpoint.path, checkpoint.global_step, state["trainer"], rank_state,
                                 int(checkpoint.manifest["world_size"]))  # fmt: skip
     if damaged:
         raise all_damaged(Path(listing["root"]), damaged)
-    if rank == 0:  # a new timeline starts at 0: earlier runs' checkpoints are set aside
-        store.set_aside_newer_than(-1)
+    # A new timeline starts at 0: earlier runs' checkpoints are set aside (then the barrier, as above).
+    _agreed(partial(store.set_aside_newer_than, -1), rank0_only=True)
     return None
