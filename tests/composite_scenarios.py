@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
+
 import torch
 from runtime_scenarios import full, make_plan
 
 from verl_dmd.adapters import get_adapter
-from verl_dmd.checkpoint.composite import capture_rng, load_checkpoint, restore_rank_state, save_checkpoint
+from verl_dmd.checkpoint.composite import (
+    _Damaged,
+    capture_rng,
+    load_checkpoint,
+    restore_rank_state,
+    save_checkpoint,
+)
 from verl_dmd.checkpoint.engine_state import engine_state, schedule_state
 from verl_dmd.checkpoint.store import CheckpointError, CheckpointStore
 from verl_dmd.controller import DistillationController
@@ -448,6 +457,29 @@ def one_rank_fails(rank: int, world_size: int, layout: str, root: str) -> list[t
         out.append(("rng", "none", ""))
     except Exception as err:
         out.append(("rng", type(err).__name__, str(err)))
+    # rank 0 alone warns of damaged checkpoints; under -W error that warning raises, on rank 0 alone
+    real_candidates = CheckpointStore.candidates
+
+    def one_more_damaged(store, resume):
+        return dataclasses.replace(
+            real_candidates(store, resume), damaged=["global_step_9: manifest.json: not JSON"]
+        )
+
+    warned = {
+        "warn_listed": lambda: mock.patch.object(CheckpointStore, "candidates", one_more_damaged),
+        "warn_damaged": lambda: mock.patch(
+            "verl_dmd.checkpoint.composite._load_verified",
+            side_effect=_Damaged("engine: a hash does not match"),
+        ),
+    }
+    for name, patch in warned.items():
+        try:
+            with warnings.catch_warnings(), patch():
+                warnings.simplefilter("error" if rank == 0 else "ignore")
+                stack.load(root)
+            out.append((name, "none", ""))
+        except Exception as err:
+            out.append((name, type(err).__name__, str(err)))
     loaded = stack.load(root)
     out.append(("load", "none", str(loaded.global_step)))
     return out

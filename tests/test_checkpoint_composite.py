@@ -129,9 +129,10 @@ def test_fsdp_granularity_and_resharding_do_not_change_the_math(tmp_path, layout
 
 
 def test_a_step_that_fails_on_one_rank_fails_on_every_rank(tmp_path):
-    """Reading a manifest, listing the checkpoints, setting newer ones aside, and every write of a save,
-    failing on one rank alone: that rank raises its own error, every other rank a CheckpointError naming it
-    (no rank is left waiting in a collective), and the ranks stay in step (a load then works)."""
+    """Reading a manifest, listing the checkpoints, setting newer ones aside, every write of a save, and rank
+    0's warning of a damaged checkpoint under -W error, failing on one rank alone: that rank raises its own
+    error, every other rank a CheckpointError naming it (no rank is left waiting in a collective), and the
+    ranks stay in step (a load then works)."""
     ranks = run_ranks(one_rank_fails, 2, tmp_path / "ranks", "independent", str(tmp_path / "ckpt"))
     got = [{name: (kind, message) for name, kind, message in results} for results in ranks]
     for rank in (0, 1):
@@ -145,3 +146,13 @@ def test_a_step_that_fails_on_one_rank_fails_on_every_rank(tmp_path):
         assert other[0] == "CheckpointError" and other[1].startswith(f"rank {failing} failed ({kind}: "), (
             other
         )
+    # rank 0's warning of a damaged checkpoint, an error under -W error there
+    for name, damage in [("warn_listed", "skipping damaged checkpoint: global_step_9: manifest.json: not JSON"),
+                         ("warn_damaged", ": engine: a hash does not match")]:  # fmt: skip
+        kind, message = got[0][name]
+        assert (kind, message.startswith("skipping damaged"), message.endswith(damage)) == (
+            "UserWarning",
+            1,
+            1,
+        )
+        assert got[1][name] == ("CheckpointError", f"rank 0 failed (UserWarning: {message})"), got[1][name]

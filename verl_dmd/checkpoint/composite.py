@@ -319,6 +319,12 @@ def _first_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"
 
 
+def _warn(messages: list[str]) -> None:
+    """Rank 0's warnings of a load, inside an agreement: under ``-W error`` a warning raises, on every rank."""
+    for message in messages:
+        warnings.warn(message, stacklevel=4)
+
+
 def _new_timeline(store: CheckpointStore, plan, global_step: int) -> None:
     store.set_aside_newer_than(global_step)
     store.apply_retention(keep_last=plan.checkpoint.keep_last, keep_every=plan.checkpoint.keep_every)
@@ -334,7 +340,6 @@ def load_checkpoint(store: CheckpointStore, engine, plan) -> LoadedCheckpoint | 
     checkpoints of this root are set aside (a new timeline starts) and retention is re-applied (a save
     cut short by a crash may have published without it).
     """
-    rank = dist.get_rank()
 
     def listed() -> dict[str, Any]:
         found = store.candidates(plan.checkpoint.resume)
@@ -343,9 +348,8 @@ def load_checkpoint(store: CheckpointStore, engine, plan) -> LoadedCheckpoint | 
 
     listing = _broadcast(_agreed(listed, rank0_only=True))
     damaged = list(listing["damaged"])
-    if rank == 0:
-        for err in damaged:  # manifests that do not check out, or files of the wrong size
-            warnings.warn(f"skipping damaged checkpoint: {err}", stacklevel=2)
+    if damaged:  # manifests that do not check out, or files of the wrong size (the same list on every rank)
+        _agreed(partial(_warn, [f"skipping damaged checkpoint: {err}" for err in damaged]), rank0_only=True)
 
     def trusted(found: str) -> Checkpoint:
         checkpoint = CheckpointStore.verify(found)  # every rank reads the manifest it will trust
@@ -360,8 +364,10 @@ def load_checkpoint(store: CheckpointStore, engine, plan) -> LoadedCheckpoint | 
             if listing["explicit"]:
                 raise CheckpointError(f"config key 'checkpoint.resume' = {found!r}: {err}") from None
             damaged.append(str(err))
-            if rank == 0:
-                warnings.warn(f"skipping damaged checkpoint {checkpoint.path.name}: {err}", stacklevel=2)
+            _agreed(
+                partial(_warn, [f"skipping damaged checkpoint {checkpoint.path.name}: {err}"]),
+                rank0_only=True,
+            )
             continue
         # A new timeline starts here: later (abandoned or damaged) checkpoints are set aside (only this
         # run's root is touched, whichever root the checkpoint came from). Also the barrier.
