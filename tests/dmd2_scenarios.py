@@ -165,7 +165,7 @@ def probe_per_exit_heads(rank: int, world_size: int) -> dict:
         computer.shared.set_state(state)
         return exit_index
 
-    phases = []
+    phases, gan_metrics = [], []
     before = heads()
     for phase in range(10):
         role = controller.next_phase()
@@ -183,6 +183,7 @@ def probe_per_exit_heads(rank: int, world_size: int) -> dict:
             h for h in HEADS if any(not torch.equal(a, b) for a, b in zip(now[h], before[h], strict=True))
         ]
         phases.append((role.value, exit_index, moved))
+        gan_metrics.append((role.value, exit_index, {k: v for k, v in metrics.items() if "/gan_" in k}))
         before = now
 
     def student_grads(state) -> list[torch.Tensor]:
@@ -225,7 +226,7 @@ def probe_per_exit_heads(rank: int, world_size: int) -> dict:
             }
         computer.load_state_dict(state)
         computer.exit_index()  # on to another exit
-    return {"phases": phases, "reads": reads}
+    return {"phases": phases, "reads": reads, "gan_metrics": gan_metrics}
 
 
 def run_heads_in_bf16_with_accumulation(rank: int, world_size: int) -> list[str]:

@@ -333,7 +333,8 @@ def test_gan_head_belongs_to_the_fake_score_and_learns_only_in_its_phases(probed
 def test_per_exit_group_heads_each_learn_and_judge_only_their_own_steps(tmp_path):
     """algorithm.gan_heads=per_exit_group: a fake-score phase trains only the head of the step it drew (the
     first step's head, or the later steps'), a student phase trains neither, and a student phase's GAN
-    generator term reads only its step's head; both ranks agree."""
+    generator term reads only its step's head, and each head's loss is logged under its group's name; both
+    ranks agree."""
     rank0, rank1 = run_ranks(probe_per_exit_heads, WORLD_SIZE, tmp_path)
     assert rank0 == rank1
     fake = [(exit_index, moved) for role, exit_index, moved in rank0["phases"] if role == "fake_score"]
@@ -345,6 +346,11 @@ def test_per_exit_group_heads_each_learn_and_judge_only_their_own_steps(tmp_path
         "first": {"dmd_gan_head": True, "dmd_gan_head_later": False},
         "later": {"dmd_gan_head": False, "dmd_gan_head_later": True},
     }
+    # each head's loss is also logged under its own name (one micro-batch per phase: the plain name's value)
+    for role, exit_index, metrics in rank0["gan_metrics"]:
+        name = f"{role}/gan_{'discriminator' if role == 'fake_score' else 'generator'}_loss"
+        group = "first_step" if exit_index == 0 else "later_steps"
+        assert metrics == {name: metrics[name], f"{name}_{group}": metrics[name]}, (role, exit_index, metrics)
 
 
 def test_a_head_no_micro_batch_runs_does_not_break_a_backward_without_gradient_sync(tmp_path):

@@ -268,6 +268,14 @@ def test_ranks_with_different_metric_keys_fail_loudly(results):
         assert error is not None and "different metric keys" in error
 
 
+def test_a_metric_some_micro_batches_report_is_their_mean(results):
+    """2 ranks x 2 micro-batches: a metric every micro-batch reports is the mean of the four values; one only
+    the first micro-batch of each rank reports is the mean of those two (not halved by the micro-batches
+    that did not report it)."""
+    for rank in (0, 1):
+        assert scenario(results, "metric_of_some_micro_batches", rank) == {"every": 5.5, "first_only": 100.5}
+
+
 def test_trap_dit_keeps_block_zero_in_the_root_unit(results):
     """Guard: DiTAdapter.fsdp_units leaves block 0 in the root. DiT's forward reads
     transformer_blocks[0].norm1.emb outside block 0; sharding every block fails on mixed

@@ -661,6 +661,25 @@ def metric_keys_must_agree(rank, world):
     }
 
 
+class _MetricOnFirstMicroBatch(ReferenceRegressionComputer):
+    def compute_phase(self, request, batch, runtime, *, micro_batch_index, num_micro_batches):
+        output = super().compute_phase(
+            request, batch, runtime, micro_batch_index=micro_batch_index, num_micro_batches=num_micro_batches
+        )
+        extra = {"every": 10.0 * runtime.rank + micro_batch_index}
+        if micro_batch_index == 0:
+            extra["first_only"] = torch.tensor(100.0 + runtime.rank)
+        return PhaseOutput(loss=output.loss, metrics={**output.metrics, **extra})
+
+
+def metric_of_some_micro_batches(rank, world):
+    """A metric that only some micro-batches report is the mean over those, of every rank."""
+    _, adapter, engine, runtime = _setup()
+    runtime.computer = _MetricOnFirstMicroBatch(adapter)
+    metrics = runtime.run_phase(_request(Role.FAKE_SCORE), _batch(adapter, engine, rank, world))
+    return {k: metrics[f"fake_score/{k}"] for k in ("every", "first_only")}
+
+
 def trap_dit_block_zero_in_root(rank, world):
     """DiT reads block 0's label embedding outside block 0: sharding block 0 as a unit breaks."""
     from verl_dmd.adapters.diffusers_transformers import DiTAdapter
@@ -688,6 +707,7 @@ def trap_dit_block_zero_in_root(rank, world):
 SCENARIOS = {
     "trap_dit_block_zero_in_root": trap_dit_block_zero_in_root,
     "metric_keys_must_agree": metric_keys_must_agree,
+    "metric_of_some_micro_batches": metric_of_some_micro_batches,
     "trap_gradient_divide_factor_on_gloo": trap_gradient_divide_factor_on_gloo,
     "trap_peft_state_dict_on_sharded_model": trap_peft_state_dict_on_sharded_model,
     "ema_start_step": ema_start_step,

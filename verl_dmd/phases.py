@@ -84,7 +84,10 @@ class PhaseOutput:
 
     `loss` is one graph-bearing scalar for the request's role. `metrics` are
     python floats or detached 1-element real tensors (kept on their device; the
-    runtime reads them back once per phase). `loss_normalizer` selects the accumulation mode:
+    runtime reads them back once per phase); each is logged as its mean over the
+    micro-batches, of every rank, that reported it, so a metric may be reported by
+    some micro-batches only, as long as every rank's phase reports the same keys in
+    the same order. `loss_normalizer` selects the accumulation mode:
     ``None`` means `loss` is already a mean over the micro-batch's samples (the
     runtime averages micro-batches); a positive finite number means `loss` is a
     mean over that many counted units (e.g. tokens, pixels, valid samples) and the

@@ -203,6 +203,14 @@ class DMD2Computer:
         later = self._per_exit_heads and exit_index > 0
         return runtime.extra_module(GAN_HEAD_LATER if later else GAN_HEAD)
 
+    def _per_head(self, name: str, value: torch.Tensor, exit_index: int) -> dict[str, torch.Tensor]:
+        """With a head per exit group, `value` also under the name of its head's group: the runtime averages
+        a metric over the micro-batches that report it, so each head's loss is its own mean, where the plain
+        name mixes the two heads as the micro-batches drew them."""
+        if not self._per_exit_heads:
+            return {}
+        return {f"{name}_{'later_steps' if exit_index > 0 else 'first_step'}": value}
+
     # ------------------------------------------------------------------ sampling
 
     def exit_index(self) -> int:
@@ -297,6 +305,7 @@ class DMD2Computer:
             head = self._gan_head(runtime, exit_index)
             generator, grad_x = self._gan_generator_gradient(x.detach(), eps, sigma, cond, runtime, head)
             metrics["gan_generator_loss"] = generator
+            metrics.update(self._per_head("gan_generator_loss", generator, exit_index))
             # Like the DMD term, a surrogate whose gradient in x is dL_g/dx: the backward through the
             # frozen fake score runs here, inside its role, not in the student's backward.
             wide = torch.promote_types(x.dtype, torch.float32)  # float32 or wider, as the DMD term
@@ -377,6 +386,7 @@ class DMD2Computer:
         )
         loss = denoise + alg.gan_discriminator_weight * discriminator
         metrics = {"fake_loss": denoise.detach(), "gan_discriminator_loss": discriminator.detach()}
+        metrics.update(self._per_head("gan_discriminator_loss", discriminator.detach(), exit_index))
         return PhaseOutput(loss=loss, metrics=metrics)
 
     @staticmethod

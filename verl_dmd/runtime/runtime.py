@@ -173,7 +173,7 @@ class DistillationRoleRuntime:
         # Sums stay on the device: reading a value back (.item()) waits for the GPU, and each wait
         # leaves it idle until the host queues the next kernels. A phase reads back three times
         # (twice on one rank).
-        sums = _PhaseSums(torch.zeros((), dtype=torch.float64, device=engine.device), {})
+        sums = _PhaseSums(torch.zeros((), dtype=torch.float64, device=engine.device), {}, {})
         engine.verify_layout()
         engine.zero_grad(role)
         return micro_batches, LossNormalizerTracker(len(micro_batches)), sums
@@ -203,6 +203,7 @@ class DistillationRoleRuntime:
                     if isinstance(value, torch.Tensor):  # summed in float64 like the python floats
                         value = value.to(device, torch.float64)
                     sums.metrics[key] = sums.metrics.get(key, 0.0) + value
+                    sums.counts[key] = sums.counts.get(key, 0) + 1
                 if output.loss.requires_grad:
                     (output.loss * weight).backward()
 
@@ -260,12 +261,13 @@ class DistillationRoleRuntime:
         grad_norm: float,
         skipped_reason: str | None,
     ) -> dict[str, Any]:
-        """The same metrics on every rank: the computer's and the loss averaged over micro-batches and ranks.
+        """The same metrics on every rank: the loss averaged over micro-batches and ranks, each of the
+        computer's metrics over the micro-batches (of every rank) that reported it.
 
         Metrics are averaged by position, so every rank must report the same keys in the same order. A
         fixed-size reduce of (key count, CRC of the keys) checks that first: reducing tensors of different
-        lengths would hang. Every rank sees the same sums and raises alike. One rank cannot disagree with
-        itself: no check, and one wait for the device less.
+        lengths would hang. The values' reduce also counts each metric's reports. Every rank sees the same sums
+        and raises alike. One rank cannot disagree with itself: no check, and one wait for the device less.
         """
         device, metric_sums = self.engine.device, sums.metrics
         key_crc = float(zlib.crc32("\n".join(metric_sums).encode()))
@@ -277,14 +279,20 @@ class DistillationRoleRuntime:
                 f"{sorted(metric_sums)}); a phase computer must return the same metrics on every rank"
             )
         values = [sums.loss / num_micro_batches, *metric_sums.values()]
+        counts = [
+            float(sums.counts[key]) for key in metric_sums
+        ]  # after the check: the same length everywhere
         stacked = torch.stack([
             v.to(device, torch.float64).reshape(()) if isinstance(v, torch.Tensor)
             else torch.full((), float(v), dtype=torch.float64, device=device)  # a fill, not a host copy
             for v in values
-        ])  # fmt: skip
-        mean = (self._all_reduce(stacked) / self.world_size).tolist()
+        ] + [torch.full((), n, dtype=torch.float64, device=device) for n in counts])  # fmt: skip
+        reduced = (self._all_reduce(stacked) / self.world_size).tolist()
+        mean, counts = reduced[: len(values)], reduced[len(values) :]
+        # sum over ranks / ranks, then / (reports over ranks / ranks): for a metric that every micro-batch
+        # reported, (sum / ranks) / micro-batches, the mean as before
         metrics: dict[str, Any] = {
-            f"{role.value}/{k}": v / num_micro_batches for k, v in zip(metric_sums, mean[1:], strict=True)
+            f"{role.value}/{k}": v / n for k, v, n in zip(metric_sums, mean[1:], counts, strict=True)
         }
         metrics.update(
             {
@@ -304,3 +312,5 @@ class _PhaseSums:
 
     loss: torch.Tensor
     metrics: dict[str, Any]
+    counts: dict[str, int]
+    """How many micro-batches reported each metric (a computer may report a metric in some only)."""
