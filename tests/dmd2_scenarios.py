@@ -261,3 +261,39 @@ def run_heads_in_bf16_with_accumulation(rank: int, world_size: int) -> list[str]
         metrics = runtime.run_phase(request, local_part(batch, rank, world_size))
         done.append(f"{role.value}:{bool(metrics['stepped'])}")
     return done
+
+
+def per_exit_metrics_with_accumulation(rank: int, world_size: int) -> list:
+    """gan_heads=per_exit_group, two micro-batches per phase, each exit group drawn half the time: per phase,
+    the exits its micro-batches drew and its GAN metrics (a phase may mix the two heads)."""
+    plan = make_plan(
+        "sd3",
+        "shared_base_adapters",
+        **{
+            "algorithm.student_steps": 3,
+            "algorithm.first_exit_probability": 0.5,
+            "algorithm.gan_generator_weight": 0.7,
+            "algorithm.gan_discriminator_weight": 0.5,
+            "algorithm.gan_sigma_max": 0.3,
+            "algorithm.gan_head": "conv",
+            "algorithm.gan_heads": "per_exit_group",
+            "batch.student.accumulation_steps": 2,
+            "batch.fake_score.accumulation_steps": 2,
+        },
+    )
+    adapter = get_adapter("sd3")()
+    computer = DMD2Computer(adapter, plan.algorithm, seed=plan.trainer.seed, rank=rank)
+    engine = RoleEngine(plan, adapter, extra_modules=computer.extra_modules())
+    runtime = DistillationRoleRuntime(engine, computer)
+    out = []
+    for phase in range(12):
+        role = Role.FAKE_SCORE if phase % 2 == 0 else Role.STUDENT
+        state = computer.shared.get_state()  # the exits of the two micro-batches, peeked and put back
+        exits = [computer.exit_index(), computer.exit_index()]
+        computer.shared.set_state(state)
+        batch = dmd2_batch(adapter, engine.module_for(role), PER_RANK * world_size, seed=phase)
+        batch = {k: v for k, v in batch.items() if not k.startswith(REGRESSION_PREFIX)}
+        request = PhaseRequest(role=role, global_step=0, role_step=phase, phase_index=phase)
+        metrics = runtime.run_phase(request, local_part(batch, rank, world_size))
+        out.append((role.value, exits, {k: v for k, v in metrics.items() if "/gan_" in k}))
+    return out

@@ -23,6 +23,7 @@ from dmd2_scenarios import (
     STUDENT_STEPS,
     dmd2_batch,
     dmd2_plan,
+    per_exit_metrics_with_accumulation,
     probe_per_exit_heads,
     probe_student_gradient,
     run_heads_in_bf16_with_accumulation,
@@ -351,6 +352,25 @@ def test_per_exit_group_heads_each_learn_and_judge_only_their_own_steps(tmp_path
         name = f"{role}/gan_{'discriminator' if role == 'fake_score' else 'generator'}_loss"
         group = "first_step" if exit_index == 0 else "later_steps"
         assert metrics == {name: metrics[name], f"{name}_{group}": metrics[name]}, (role, exit_index, metrics)
+
+
+def test_each_heads_logged_loss_is_the_mean_over_the_micro_batches_that_drew_it(tmp_path):
+    """gan_heads=per_exit_group, 2 ranks x 2 micro-batches: a phase logs each head's loss only when one of its
+    micro-batches drew that head's steps; where both heads ran, the plain name is their mean."""
+    rank0, rank1 = run_ranks(per_exit_metrics_with_accumulation, WORLD_SIZE, tmp_path)
+    assert rank0 == rank1
+    mixed = set()
+    for role, exits, metrics in rank0:
+        name = f"{role}/gan_{'discriminator' if role == 'fake_score' else 'generator'}_loss"
+        groups = {"first_step" if e == 0 else "later_steps" for e in exits}
+        assert set(metrics) == {name} | {f"{name}_{g}" for g in groups}, (role, exits, metrics)
+        if len(groups) == 2:
+            mixed.add(role)
+            mean = (metrics[f"{name}_first_step"] + metrics[f"{name}_later_steps"]) / 2
+            assert metrics[name] == pytest.approx(mean, rel=1e-12), (role, exits, metrics)
+        else:
+            assert metrics[f"{name}_{groups.pop()}"] == metrics[name], (role, exits, metrics)
+    assert mixed == {"fake_score", "student"}  # both kinds of phase mixed the heads at least once
 
 
 def test_a_head_no_micro_batch_runs_does_not_break_a_backward_without_gradient_sync(tmp_path):

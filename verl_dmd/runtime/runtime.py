@@ -266,8 +266,8 @@ class DistillationRoleRuntime:
 
         Metrics are averaged by position, so every rank must report the same keys in the same order. A
         fixed-size reduce of (key count, CRC of the keys) checks that first: reducing tensors of different
-        lengths would hang. The values' reduce also counts each metric's reports. Every rank sees the same sums
-        and raises alike. One rank cannot disagree with itself: no check, and one wait for the device less.
+        lengths would hang. A second reduce beside the values' counts each metric's reports. Every rank sees the
+        same sums and raises alike. One rank cannot disagree with itself: no check, and one wait for the device less.
         """
         device, metric_sums = self.engine.device, sums.metrics
         key_crc = float(zlib.crc32("\n".join(metric_sums).encode()))
@@ -275,24 +275,28 @@ class DistillationRoleRuntime:
             torch.tensor([len(metric_sums), key_crc], dtype=torch.float64, device=device)
         ).tolist() != [len(metric_sums) * self.world_size, key_crc * self.world_size]:
             raise RuntimeError(
-                f"ranks reported different metric keys in a {role.value} phase (rank {self.rank}: "
-                f"{sorted(metric_sums)}); a phase computer must return the same metrics on every rank"
+                f"ranks reported different metric keys in a {role.value} phase (rank {self.rank}, in the "
+                f"order of first report: {list(metric_sums)}); a phase computer must return the same metrics "
+                "on every rank, first reported in the same order"
             )
         values = [sums.loss / num_micro_batches, *metric_sums.values()]
-        counts = [
-            float(sums.counts[key]) for key in metric_sums
-        ]  # after the check: the same length everywhere
         stacked = torch.stack([
             v.to(device, torch.float64).reshape(()) if isinstance(v, torch.Tensor)
             else torch.full((), float(v), dtype=torch.float64, device=device)  # a fill, not a host copy
             for v in values
-        ] + [torch.full((), n, dtype=torch.float64, device=device) for n in counts])  # fmt: skip
-        reduced = (self._all_reduce(stacked) / self.world_size).tolist()
-        mean, counts = reduced[: len(values)], reduced[len(values) :]
-        # sum over ranks / ranks, then / (reports over ranks / ranks): for a metric that every micro-batch
+        ])  # fmt: skip
+        # the counts in a buffer of their own: a longer values buffer would change how a reduce over more
+        # than two ranks chunks it, and so the order in which it adds the values
+        parts = [self._all_reduce(stacked)]
+        if metric_sums:
+            counts = [float(sums.counts[key]) for key in metric_sums]
+            parts.append(self._all_reduce(torch.tensor(counts, dtype=torch.float64, device=device)))
+        reduced = (torch.cat(parts) / self.world_size).tolist()  # one wait for the device
+        mean, reports = reduced[: len(values)], reduced[len(values) :]
+        # (sum over ranks / ranks) / (reports over ranks / ranks): for a metric that every micro-batch
         # reported, (sum / ranks) / micro-batches, the mean as before
         metrics: dict[str, Any] = {
-            f"{role.value}/{k}": v / n for k, v, n in zip(metric_sums, mean[1:], counts, strict=True)
+            f"{role.value}/{k}": v / n for k, v, n in zip(metric_sums, mean[1:], reports, strict=True)
         }
         metrics.update(
             {
