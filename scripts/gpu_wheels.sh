@@ -31,8 +31,10 @@ get .whl diffusers==0.42.1 verl==0.9.1 hydra-core==1.3.8 omegaconf==2.3.1 \
 "$py" -m pip wheel -q --no-deps -w .whl antlr4-python3-runtime==4.9.3
 get .whl_ray ray==2.60.0
 wheel="$(cd .whl_ray && ls ray-*.whl)"
-head -c 27000000 ".whl_ray/$wheel" > .whl_ray/part_a/ray.whl.partaa
-tail -c +27000001 ".whl_ray/$wheel" > .whl_ray/part_b/ray.whl.partab
+# the split point: .whl + part_a and part_b each fit one call beside the working tree (about 10.6 MB on
+# 2026-12-07: 61.9 and 62.4 MiB of the 64)
+head -c 24500000 ".whl_ray/$wheel" > .whl_ray/part_a/ray.whl.partaa
+tail -c +24500001 ".whl_ray/$wheel" > .whl_ray/part_b/ray.whl.partab
 echo "$wheel" | tee .whl_ray/part_a/NAME > .whl_ray/part_b/NAME
 rm ".whl_ray/$wheel"
 du -sh .whl .whl_ray/part_a .whl_ray/part_b
