@@ -266,6 +266,7 @@ def check_resources(plan: DistillationPlan, *, backend: str) -> None:
     """
     resources = plan.resources
     mesh = plan.model.fsdp_mesh
+    # replicate is every rank's own copy: one rank is a mesh of one
     replicas = resources.nnodes if mesh == "hybrid" else (mesh[0] if isinstance(mesh, tuple) else 1)
     if backend == "local" and replicas > 1:
         raise error("model.fsdp_mesh", mesh if isinstance(mesh, str) else list(mesh),

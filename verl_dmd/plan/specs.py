@@ -77,6 +77,9 @@ MULTI_STEP_ONLY_KEYS: tuple[str, ...] = ("algorithm.gan_heads", "algorithm.first
 """Keys that change nothing for a 1-step student (``algorithm.student_steps`` 1): between two plans that both
 train one step they are no difference (one GAN head, and every phase trains the only step)."""
 
+MESH_NAMES = ("shard", "hybrid", "replicate")
+"""The named FSDP2 meshes of ``model.fsdp_mesh`` (besides an explicit [replicate, shard] list)."""
+
 MODEL_SOURCES = ("teacher", "student", "fake_score")
 """The roles whose model a plan names (``model.<role>``): by path, by config, or (student, fake score) not at
 all (a copy of the teacher)."""
@@ -240,9 +243,10 @@ class ModelSpec:
     fsdp_mesh: str | tuple[int, ...] = "shard"
     """The FSDP2 device mesh: shard (every parameter sharded over all ranks); hybrid (HSDP: sharded within
     a node over resources.workers_per_node ranks, replicated across the resources.nnodes nodes, so the
-    gathers stay on a node's fast links); or [replicate, shard], whose product is the world size. Every
-    rank is data-parallel either way: same math. Checkpoints do not depend on it (a run saved with one
-    mesh resumes with another)."""
+    gathers stay on a node's fast links); replicate (every rank holds whole models and the gradients are
+    all-reduced, as DDP does: no gathers at all, for models whose gathers cost more than the memory they
+    save); or [replicate, shard], whose product is the world size. Every rank is data-parallel either
+    way: same math. Checkpoints do not depend on it (a run saved with one mesh resumes with another)."""
     reshard_after_forward: bool = True
     """FSDP2: free gathered block weights after each forward (the root keeps its own until backward); false
     keeps every unit's until the phase ends (same math, fewer all-gathers, more memory: in the independent
@@ -267,10 +271,11 @@ class ModelSpec:
                 "set model.adapter (e.g. dit, sd3, flux, qwen_image, wan)",
             )
         self.teacher.validate(f"{key}.teacher")
-        mesh, fix = self.fsdp_mesh, f"set {key}.fsdp_mesh to shard, hybrid or [replicate, shard], e.g. [2, 4]"
-        if isinstance(mesh, str) and mesh not in ("shard", "hybrid"):
-            close = difflib.get_close_matches(mesh.lower(), ["shard", "hybrid"], n=1)
-            raise error(f"{key}.fsdp_mesh", mesh, "allowed: shard, hybrid, or [replicate, shard] ranks",
+        mesh = self.fsdp_mesh
+        fix = f"set {key}.fsdp_mesh to shard, hybrid, replicate or [replicate, shard], e.g. [2, 4]"
+        if isinstance(mesh, str) and mesh not in MESH_NAMES:
+            close = difflib.get_close_matches(mesh.lower(), MESH_NAMES, n=1)
+            raise error(f"{key}.fsdp_mesh", mesh, "allowed: shard, hybrid, replicate, or [replicate, shard] ranks",
                         f"did you mean {close[0]!r}?" if close else fix)  # fmt: skip
         if isinstance(mesh, tuple):
             if len(mesh) != 2:

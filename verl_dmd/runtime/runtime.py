@@ -32,7 +32,9 @@ def _total_grad_norm(
 ) -> torch.Tensor:
     """The global L2 norm of the gradients of `params` (DTensor shards included), in float64; each shard is
     held by `replicas` ranks of `group` (a hybrid mesh's replicate size), so their summed squares are
-    divided by it.
+    divided by it. When every rank holds every shard (model.fsdp_mesh=replicate, or [N, 1]) the local sum
+    is the total and no collective runs (the reduced sum divided by the N ranks is the same float when N
+    is a power of 2, and within a rounding of it otherwise).
 
     Accumulated on `device`: NCCL reduces only device tensors.
     """
@@ -46,7 +48,8 @@ def _total_grad_norm(
             partial = partial + grad.to_local().double().square().sum()
         else:
             squares = squares + grad.double().square().sum()
-    if dist.is_initialized() and any(isinstance(p.grad, DTensor) for p in params):
+    replicated = not dist.is_initialized() or replicas == dist.get_world_size(group)
+    if not replicated and any(isinstance(p.grad, DTensor) for p in params):
         dist.all_reduce(partial, group=group)  # shards are disjoint within a replica: their squares add up
         if replicas > 1:
             partial = partial / replicas

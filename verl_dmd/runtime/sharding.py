@@ -75,10 +75,12 @@ MESH_DIMS = ("replicate", "shard")
 
 def mesh_shape(plan, world_size: int) -> tuple[int, int] | None:
     """(replicate, shard) sizes of the plan's model.fsdp_mesh at `world_size` ranks; None for plain sharding
-    over all ranks (shard, or a hybrid mesh with one replica: the same thing)."""
+    over all ranks (shard, or a mesh with one replica: the same thing)."""
     mesh, resources = plan.model.fsdp_mesh, plan.resources
     if mesh == "shard":
         return None
+    if mesh == "replicate":
+        return None if world_size == 1 else (world_size, 1)
     shape = (resources.nnodes, resources.workers_per_node) if mesh == "hybrid" else tuple(mesh)
     if shape[0] * shape[1] != world_size:
         source = (

@@ -392,11 +392,11 @@ class DistillationRayTrainer:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         workers = 1 if self.backend == "local" else plan.resources.world_size
         mesh, resources = plan.model.fsdp_mesh, plan.resources
-        shape = (resources.nnodes, resources.workers_per_node) if mesh == "hybrid" else mesh
-        hybrid = mesh != "shard" and shape[0] > 1
+        shape = {"shard": (1, workers), "replicate": (workers, 1),
+                 "hybrid": (resources.nnodes, resources.workers_per_node)}.get(mesh, mesh)  # fmt: skip
         self.log(
             f"verl-dmd: {plan.model.adapter} / {plan.data.name}, {workers} worker(s) ({self.backend})"
-            + (f", FSDP2 mesh {shape[0]} x {shape[1]} (replicate x shard)" if hybrid else "")
+            + (f", FSDP2 mesh {shape[0]} x {shape[1]} (replicate x shard)" if shape[0] > 1 else "")
             + f", {plan.trainer.total_steps} student steps, outputs in {self.output_dir}"
         )
         self.group = self._start_group()
