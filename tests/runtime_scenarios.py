@@ -220,3 +220,41 @@ def hybrid_cases(rank: int, world_size: int) -> dict:
         with default_dtype(torch.float64):
             results[f"{family}/{layout}"] = train_and_probe(rank, world_size, family, layout, **HYBRID)
     return results
+
+
+REPLICATE = {"model.fsdp_mesh": "replicate", "resources.workers_per_node": 2}
+"""Whole models on every rank (a (2, 1) mesh on 2 ranks): gradients all-reduced, nothing gathered."""
+
+
+@contextlib.contextmanager
+def norm_without_collectives():
+    """The runtime's gradient norm, with any all_reduce inside it an AssertionError (every rank holds the
+    whole gradient on a replicate mesh: the norm needs no collective)."""
+    from verl_dmd.runtime import runtime as runtime_module
+
+    original = runtime_module._total_grad_norm
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the gradient norm ran an all_reduce on a replicate mesh")
+
+    def guarded(*args, **kwargs):
+        real, dist.all_reduce = dist.all_reduce, refuse
+        try:
+            return original(*args, **kwargs)
+        finally:
+            dist.all_reduce = real
+
+    runtime_module._total_grad_norm = guarded
+    try:
+        yield
+    finally:
+        runtime_module._total_grad_norm = original
+
+
+def replicate_cases(rank: int, world_size: int) -> dict:
+    """The float64 trajectory of `HYBRID_CASES` on a replicate mesh, the gradient norm without collectives."""
+    results = {}
+    for family, layout in HYBRID_CASES:
+        with default_dtype(torch.float64), norm_without_collectives():
+            results[f"{family}/{layout}"] = train_and_probe(rank, world_size, family, layout, **REPLICATE)
+    return results

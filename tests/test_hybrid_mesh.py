@@ -14,7 +14,15 @@ import pytest
 import torch
 from checkpoint_scenarios import load_and_continue, save_then_continue
 from dist_harness import run_ranks
-from runtime_scenarios import HYBRID, HYBRID_CASES, default_dtype, hybrid_cases, probe_batch
+from runtime_scenarios import (
+    HYBRID,
+    HYBRID_CASES,
+    REPLICATE,
+    default_dtype,
+    hybrid_cases,
+    probe_batch,
+    replicate_cases,
+)
 from test_checkpoint_engine import assert_same
 from test_runtime_equivalence import TOLERANCE_FP64, Reference, relative_error
 
@@ -30,19 +38,22 @@ def hybrid(tmp_path_factory):
     return run_ranks(hybrid_cases, WORLD_SIZE, tmp_path_factory.mktemp("hybrid"))
 
 
-@pytest.mark.parametrize(("family", "layout"), HYBRID_CASES, ids=[f"{f}-{lay}" for f, lay in HYBRID_CASES])
-def test_hybrid_mesh_trajectory_equals_reference(hybrid, family, layout):
-    """5 phases on a (2, 2) mesh: every role's weights, the forwards, the gradient norms (clipping is
-    exercised) and one more phase's gradients equal the single-process float64 reference."""
-    results = [rank[f"{family}/{layout}"] for rank in hybrid]
-    # the parameters really lie on the 2-D mesh: replicated over one dimension, sharded over the other
+@pytest.fixture(scope="module")
+def replicated(tmp_path_factory):
+    return run_ranks(replicate_cases, 2, tmp_path_factory.mktemp("replicate"))
+
+
+def assert_trajectory_equals_reference(results, family, layout, world_size, placements):
+    """5 phases: every role's weights (equal on every rank), the forwards, the gradient norms (clipping is
+    exercised) and one more phase's gradients equal the single-process float64 reference of the same
+    global batch; the parameters lie on the mesh `placements` names."""
     for result in results:
-        assert result["placements"] == [(("replicate", "shard"), (2, 2), "(Replicate(), Shard(dim=0))")]
+        assert result["placements"] == [placements]
     with default_dtype(torch.float64):
-        reference = Reference(family, layout, torch.float64, world_size=WORLD_SIZE)
+        reference = Reference(family, layout, torch.float64, world_size=world_size)
         ref_norms = reference.train()
         ref_forwards = reference.forwards()
-        probe = probe_batch(reference.adapter, reference.models[Role.STUDENT], WORLD_SIZE)
+        probe = probe_batch(reference.adapter, reference.models[Role.STUDENT], world_size)
         ref_grads = reference.student_grads(probe)
     rank0 = results[0]
     assert [r for r, _ in rank0["norms"]] == [r for r, _ in ref_norms]
@@ -62,6 +73,24 @@ def test_hybrid_mesh_trajectory_equals_reference(hybrid, family, layout):
     assert sorted(rank0["grads"]) == sorted(ref_grads)
     for name, want in ref_grads.items():
         assert relative_error(rank0["grads"][name], want) < TOLERANCE_FP64, name
+
+
+@pytest.mark.parametrize(("family", "layout"), HYBRID_CASES, ids=[f"{f}-{lay}" for f, lay in HYBRID_CASES])
+def test_hybrid_mesh_trajectory_equals_reference(hybrid, family, layout):
+    """5 phases on a (2, 2) mesh: replicated over one dimension, sharded over the other."""
+    results = [rank[f"{family}/{layout}"] for rank in hybrid]
+    placements = (("replicate", "shard"), (2, 2), "(Replicate(), Shard(dim=0))")
+    assert_trajectory_equals_reference(results, family, layout, WORLD_SIZE, placements)
+
+
+@pytest.mark.parametrize(("family", "layout"), HYBRID_CASES, ids=[f"{f}-{lay}" for f, lay in HYBRID_CASES])
+def test_replicate_mesh_trajectory_equals_reference(replicated, family, layout):
+    """5 phases on model.fsdp_mesh=replicate over 2 ranks: each rank holds whole models (a (2, 1) mesh), the
+    gradient norm is read without a collective (one would raise on the ranks), and the trajectory is the
+    reference's."""
+    results = [rank[f"{family}/{layout}"] for rank in replicated]
+    placements = (("replicate", "shard"), (2, 1), "(Replicate(), Shard(dim=0))")
+    assert_trajectory_equals_reference(results, family, layout, 2, placements)
 
 
 @pytest.mark.parametrize("load_world", [1, 2])
@@ -92,3 +121,31 @@ def test_checkpoint_saved_on_a_plain_mesh_loads_on_a_hybrid_mesh(tmp_path):
     )
     for rank in range(WORLD_SIZE):
         assert_same(resumed[rank]["loaded"], saved, f"loaded on rank {rank} of the hybrid mesh")
+
+
+def test_checkpoint_saved_on_a_replicate_mesh_loads_sharded_and_back(tmp_path):
+    """Saved by 2 ranks holding whole models (model.fsdp_mesh=replicate), loaded by 2 ranks sharded plainly;
+    and saved sharded, loaded replicated: parameters, the EMA and both optimizers' state equal."""
+    for saver, loader, name in (
+        (REPLICATE, None, "replicate to shard"),
+        (None, REPLICATE, "shard to replicate"),
+    ):
+        directory = str(tmp_path / name / "dcp")
+        straight = run_ranks(
+            save_then_continue, 2, tmp_path / name / "a", "sd3", "independent", directory, PHASES, saver
+        )
+        saved = straight[0]["saved"]
+        assert_same(straight[1]["saved"], saved, f"{name}: rank 1 of the saving run")
+        resumed = run_ranks(
+            load_and_continue,
+            2,
+            tmp_path / name / "b",
+            "sd3",
+            "independent",
+            directory,
+            PHASES,
+            saved,
+            loader,
+        )
+        for rank in range(2):
+            assert_same(resumed[rank]["loaded"], saved, f"{name}: loaded on rank {rank}")

@@ -344,6 +344,7 @@ INVALID += [
     ({"prepare.image_transform": "pad"}, "prepare.image_transform"),
     ({"validation.teacher_steps": 0}, "validation.teacher_steps"),
     ({"model.fsdp_mesh": "hybird"}, "model.fsdp_mesh"),
+    ({"model.fsdp_mesh": "replicated"}, "model.fsdp_mesh"),
     ({"model.fsdp_mesh": [2, 2, 1]}, "model.fsdp_mesh"),
     ({"model.fsdp_mesh": [0, 4], "resources.workers_per_node": 4}, "model.fsdp_mesh[0]"),
     ({"model.fsdp_mesh": [2, 3], "resources.nnodes": 2, "resources.workers_per_node": 2}, "model.fsdp_mesh"),
@@ -786,6 +787,9 @@ def test_keys_of_multi_step_students_are_no_difference_for_a_1_step_student():
         ([4, 2], 2, 4, 8, (4, 2)),
         ([1, 8], 2, 4, 8, None),
         ([8, 1], 2, 4, 8, (8, 1)),  # every rank a whole replica
+        ("replicate", 2, 4, 8, (8, 1)),  # the same, at any rank count
+        ("replicate", 1, 2, 2, (2, 1)),
+        ("replicate", 1, 2, 1, None),  # one rank (the local backend): nothing to replicate over
     ],
 )
 def test_fsdp_mesh_shape(mesh, nnodes, per_node, world_size, shape):
