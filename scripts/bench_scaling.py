@@ -93,7 +93,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--compile", action="store_true", help="model.compile=true")
     parser.add_argument("--keep-gathered", action="store_true", help="model.reshard_after_forward=false")
     parser.add_argument("--fsdp-mesh", default="shard",
-                        help="model.fsdp_mesh: shard, hybrid (needs --nodes), or REPLICATExSHARD, e.g. 2x4")  # fmt: skip
+                        help="model.fsdp_mesh: shard, hybrid (needs --nodes), replicate, or REPLICATExSHARD, e.g. 2x4")  # fmt: skip
     parser.add_argument("--nodes", type=int, default=1, help="resources.nnodes for --fsdp-mesh hybrid")
     parser.add_argument("--trace", action="store_true",
                         help="one more cycle under the profiler: collective and compute busy time per phase")  # fmt: skip
@@ -117,12 +117,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def fsdp_mesh(text: str):
-    """--fsdp-mesh as the plan key's value: shard, hybrid, or [replicate, shard] from 'RxS'."""
-    if text in ("shard", "hybrid"):
+    """--fsdp-mesh as the plan key's value: shard, hybrid, replicate, or [replicate, shard] from 'RxS'."""
+    if text in ("shard", "hybrid", "replicate"):
         return text
     parts = text.lower().split("x")
     if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
-        fail(f"--fsdp-mesh {text}: allowed: shard, hybrid, or REPLICATExSHARD with positive sizes, e.g. 2x4")
+        fail(
+            f"--fsdp-mesh {text}: allowed: shard, hybrid, replicate, or REPLICATExSHARD with positive sizes, e.g. 2x4"
+        )
     return [int(parts[0]), int(parts[1])]
 
 

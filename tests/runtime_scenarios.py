@@ -228,8 +228,8 @@ REPLICATE = {"model.fsdp_mesh": "replicate", "resources.workers_per_node": 2}
 
 @contextlib.contextmanager
 def norm_without_collectives():
-    """The runtime's gradient norm, with any all_reduce inside it an AssertionError (every rank holds the
-    whole gradient on a replicate mesh: the norm needs no collective)."""
+    """The runtime's gradient norm, with a `torch.distributed.all_reduce` inside it an AssertionError (every
+    rank holds the whole gradient on a replicate mesh: the norm needs no collective)."""
     from verl_dmd.runtime import runtime as runtime_module
 
     original = runtime_module._total_grad_norm

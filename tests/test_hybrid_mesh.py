@@ -5,7 +5,9 @@ The reference is test_runtime_equivalence's (plain PEFT or plain copies, one pro
 batch at once) with the global batch of 4 ranks. What a hybrid mesh can get wrong silently: the gradient
 norm summed over the replicas too (each square counted twice, so clipping scales wrongly: the norms and
 the weights would differ), gradients averaged over the shard group only, or a checkpoint that keeps a
-replica's copy twice or loads on one mesh shape only.
+replica's copy twice or loads on one mesh shape only. The replicate mesh (model.fsdp_mesh=replicate: whole
+models on each of 2 ranks, a (2, 1) mesh) is held to the same reference, with its gradient norm read
+without a collective, and its checkpoints move to and from a plainly sharded run.
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ def assert_trajectory_equals_reference(results, family, layout, world_size, plac
         probe = probe_batch(reference.adapter, reference.models[Role.STUDENT], world_size)
         ref_grads = reference.student_grads(probe)
     rank0 = results[0]
+    for rank, result in enumerate(results[1:], start=1):  # every rank clips by the same norm
+        assert result["norms"] == rank0["norms"], f"rank {rank}"
     assert [r for r, _ in rank0["norms"]] == [r for r, _ in ref_norms]
     for (_, got), (_, want) in zip(rank0["norms"], ref_norms, strict=True):
         assert abs(got - want) / want < TOLERANCE_FP64, (got, want)
@@ -125,7 +129,8 @@ def test_checkpoint_saved_on_a_plain_mesh_loads_on_a_hybrid_mesh(tmp_path):
 
 def test_checkpoint_saved_on_a_replicate_mesh_loads_sharded_and_back(tmp_path):
     """Saved by 2 ranks holding whole models (model.fsdp_mesh=replicate), loaded by 2 ranks sharded plainly;
-    and saved sharded, loaded replicated: parameters, the EMA and both optimizers' state equal."""
+    and saved sharded, loaded replicated: parameters, the EMA and both optimizers' state equal. (That the
+    replicate plan builds the (2, 1) mesh is the trajectory test's placements check.)"""
     for saver, loader, name in (
         (REPLICATE, None, "replicate to shard"),
         (None, REPLICATE, "shard to replicate"),

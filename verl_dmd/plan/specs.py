@@ -932,7 +932,7 @@ class DistillationPlan:
                 list(mesh),
                 f"[replicate, shard] must multiply to the world size, resources.nnodes x "
                 f"resources.workers_per_node = {self.resources.world_size}",
-                "change the sizes or the resources, or set model.fsdp_mesh=hybrid (shard within a node)",
+                "change the sizes or the resources, or set model.fsdp_mesh=hybrid (shard within a node) or replicate",
             )
         # The embeddings provider reads its pairs from the prepared data set (prepare.teacher_pairs) and
         # checks that they are there itself.

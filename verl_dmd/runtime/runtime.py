@@ -33,8 +33,8 @@ def _total_grad_norm(
     """The global L2 norm of the gradients of `params` (DTensor shards included), in float64; each shard is
     held by `replicas` ranks of `group` (a hybrid mesh's replicate size), so their summed squares are
     divided by it. When every rank holds every shard (model.fsdp_mesh=replicate, or [N, 1]) the local sum
-    is the total and no collective runs (the reduced sum divided by the N ranks is the same float when N
-    is a power of 2, and within a rounding of it otherwise).
+    is the total and no collective runs (the sum reduced over N ranks, divided by N, was the same float at
+    2 ranks and within a few roundings of it at more; the local sum is the exact value).
 
     Accumulated on `device`: NCCL reduces only device tensors.
     """
@@ -103,8 +103,9 @@ class DistillationRoleRuntime:
         self.group = group
         # The gradient norm sums every rank's shard squares over the whole group: with a hybrid mesh each shard
         # is held by `replicas` ranks, so the sum is divided by that count (one collective whose result every
-        # rank reads alike, so the replicas clip alike). Every other collective here is over all data-parallel
-        # ranks too.
+        # rank reads alike, so the replicas clip alike; when every rank holds every shard, each rank's own sum of
+        # its gradients, which the gradient all-reduce made bitwise equal on every rank). Every other collective
+        # here is over all data-parallel ranks too.
         self.replicas = sharding.replicas(engine.mesh)
         self.plan = engine.plan
         self.view = ComputerView(self)
