@@ -20,7 +20,7 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$venv/bin/python"
   exit 0
 fi
 
-echo "verl_dmd setup: preparing $venv (first run takes about 1-2 minutes)" >&2
+echo "verl_dmd setup: preparing $venv (first run takes about 2-3 minutes)" >&2
 if [ ! -x "$venv/bin/python" ]; then
   if "$python" -c "import torch" >/dev/null 2>&1; then
     echo "verl_dmd setup: reusing the torch already installed for $python" >&2
