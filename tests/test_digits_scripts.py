@@ -208,3 +208,62 @@ def test_digits_reference_real_subset_draws_each_class_without_repeats(monkeypat
     assert not torch.equal(a, b)
     with pytest.raises(ValueError, match="class 0: 500 samples asked"):
         real_subset(train, torch.zeros(500, dtype=torch.int64), 0)
+
+
+def write_samples(path: Path, images: np.ndarray, labels: np.ndarray) -> str:
+    np.savez(path, images=images, labels=labels)
+    return str(path)
+
+
+def spread_rows(stdout: str) -> dict[str, list[float]]:
+    rows = {}
+    for line in stdout.splitlines()[1:]:
+        *name, value, ratio, background = line.split()
+        rows[" ".join(name)] = [float(value), float(ratio), float(background)]
+    return rows
+
+
+@pytest.mark.parametrize("shrink", [1.0, 0.5])
+def test_digits_spread_measures_within_class_variance_against_the_held_out_digits(tmp_path, shrink):
+    """The held-out digits scored as samples spread exactly as the reference row (ratio 1); pulled toward
+    their class means by `shrink` in pixel space, their spread falls by shrink^2 (float64 numpy beside)."""
+    from verl_dmd.data.digits import load_digits_splits, to_model_range
+
+    _, holdout = load_digits_splits(seed=0)
+    labels = holdout.labels.numpy()
+    pixels = ((holdout.images.numpy().astype(np.float64) + 1.0) * 8.0).reshape(len(labels), -1)
+    means = np.stack([pixels[labels == d].mean(axis=0) for d in range(10)])[labels]
+    moved = means + shrink * (pixels - means)  # stays in 0..16: a convex mix of in-range values
+    images = to_model_range(moved.reshape(-1, 1, 8, 8)).numpy()
+    result = run("scripts/digits_spread.py", write_samples(tmp_path / "s.npz", images, labels))
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = spread_rows(result.stdout)
+    reference = np.mean([pixels[labels == d].var(axis=0).sum() for d in range(10)])
+    assert rows["held-out digits"][0] == pytest.approx(reference, abs=0.05)
+    assert rows[str(tmp_path / "s.npz")][1] == pytest.approx(shrink**2, rel=1e-3)
+    assert rows["held-out digits"][2] == pytest.approx(float((pixels < 0.5).mean()), abs=5e-4)
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("not a zip", "is not a readable .npz"),
+        ({"pictures": np.zeros((10, 1, 8, 8))}, "not images and labels"),
+        ({"images": np.zeros((10, 1, 4, 4)), "labels": np.arange(10)}, "expected (N, 1, 8, 8)"),
+        (
+            {"images": np.zeros((10, 1, 8, 8)), "labels": np.arange(10) + 1},
+            "labels must be integers in [0, 10)",
+        ),
+        ({"images": np.zeros((9, 1, 8, 8)), "labels": np.arange(9)}, "no samples of class(es) [9]"),
+        ({"images": np.full((10, 1, 8, 8), np.nan), "labels": np.arange(10)}, "non-finite"),
+    ],
+)
+def test_digits_spread_refuses_bad_input_in_one_line(tmp_path, content, message):
+    path = tmp_path / "bad.npz"
+    if isinstance(content, str):
+        path.write_text(content)
+    else:
+        np.savez(path, **content)
+    result = run("scripts/digits_spread.py", str(path))
+    assert result.returncode != 0
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
