@@ -223,47 +223,76 @@ def spread_rows(stdout: str) -> dict[str, list[float]]:
     return rows
 
 
-@pytest.mark.parametrize("shrink", [1.0, 0.5])
+def reference_spread(pixels: np.ndarray, labels: np.ndarray) -> tuple[float, float]:
+    """float64 numpy: pixels on 0..16 clamped, unbiased within-class variance summed over pixels,
+    averaged over classes; share below 0.5."""
+    pixels = np.clip(pixels.reshape(len(labels), -1).astype(np.float64), 0.0, 16.0)
+    per_class = [pixels[labels == d].var(axis=0, ddof=1).sum() for d in range(10)]
+    return float(np.mean(per_class)), float((pixels < 0.5).mean())
+
+
+@pytest.mark.parametrize("shrink", [1.0, 0.5, 1.7])
 def test_digits_spread_measures_within_class_variance_against_the_held_out_digits(tmp_path, shrink):
-    """The held-out digits scored as samples spread exactly as the reference row (ratio 1); pulled toward
-    their class means by `shrink` in pixel space, their spread falls by shrink^2 (float64 numpy beside)."""
-    from verl_dmd.data.digits import load_digits_splits, to_model_range
+    """The held-out digits scored as samples spread exactly as the reference row (ratio 1); moved away
+    from or toward their class means by `shrink` in pixel space (1.7 pushes many pixels outside 0..16,
+    which the script clamps as the table's classifier does), spread and blank share as float64 numpy."""
+    from verl_dmd.data.digits import load_digits_splits
 
     _, holdout = load_digits_splits(seed=0)
     labels = holdout.labels.numpy()
     pixels = ((holdout.images.numpy().astype(np.float64) + 1.0) * 8.0).reshape(len(labels), -1)
     means = np.stack([pixels[labels == d].mean(axis=0) for d in range(10)])[labels]
-    moved = means + shrink * (pixels - means)  # stays in 0..16: a convex mix of in-range values
-    images = to_model_range(moved.reshape(-1, 1, 8, 8)).numpy()
+    moved = means + shrink * (pixels - means) + 0.3  # off the integers, so the 0.5 threshold matters
+    images = (moved / 8.0 - 1.0).reshape(-1, 1, 8, 8)  # float64 in the file, as a user's may be
     result = run("scripts/digits_spread.py", write_samples(tmp_path / "s.npz", images, labels))
     assert result.returncode == 0, result.stderr[-3000:]
     rows = spread_rows(result.stdout)
-    reference = np.mean([pixels[labels == d].var(axis=0).sum() for d in range(10)])
-    assert rows["held-out digits"][0] == pytest.approx(reference, abs=0.05)
-    assert rows[str(tmp_path / "s.npz")][1] == pytest.approx(shrink**2, rel=1e-3)
-    assert rows["held-out digits"][2] == pytest.approx(float((pixels < 0.5).mean()), abs=5e-4)
+    held_out, held_out_blank = reference_spread(pixels, labels)
+    value, blank = reference_spread(moved, labels)
+    assert rows["held-out digits"][0] == pytest.approx(held_out, abs=0.05)
+    assert rows["held-out digits"][2] == pytest.approx(held_out_blank, abs=5e-4)
+    assert rows[str(tmp_path / "s.npz")][0] == pytest.approx(value, abs=0.06)
+    assert rows[str(tmp_path / "s.npz")][1] == pytest.approx(value / held_out, abs=6e-4)
+    assert rows[str(tmp_path / "s.npz")][2] == pytest.approx(blank, abs=5e-4)
+    if shrink == 0.5:  # inside 0..16 the variance scales exactly with shrink^2
+        assert rows[str(tmp_path / "s.npz")][1] == pytest.approx(0.25, abs=6e-4)
+
+
+def good(n: int = 20) -> dict[str, np.ndarray]:
+    return {"images": np.zeros((n, 1, 8, 8), dtype=np.float32), "labels": np.arange(n) % 10}
 
 
 @pytest.mark.parametrize(
     ("content", "message"),
     [
         ("not a zip", "is not a readable .npz"),
+        ("", "is not a readable .npz"),
+        (np.zeros((20, 1, 8, 8)), "a .npy"),
         ({"pictures": np.zeros((10, 1, 8, 8))}, "not images and labels"),
         ({"images": np.zeros((10, 1, 4, 4)), "labels": np.arange(10)}, "expected (N, 1, 8, 8)"),
-        (
-            {"images": np.zeros((10, 1, 8, 8)), "labels": np.arange(10) + 1},
-            "labels must be integers in [0, 10)",
-        ),
-        ({"images": np.zeros((9, 1, 8, 8)), "labels": np.arange(9)}, "no samples of class(es) [9]"),
-        ({"images": np.full((10, 1, 8, 8), np.nan), "labels": np.arange(10)}, "non-finite"),
+        ({"images": np.zeros((0, 1, 8, 8)), "labels": np.zeros(0, dtype=np.int64)}, "0 samples"),
+        ({**good(), "labels": np.arange(20) % 10 + 1}, "labels must be integers in [0, 10)"),
+        ({**good(), "labels": np.arange(20) % 10 - 1}, "labels must be integers in [0, 10)"),
+        ({**good(), "labels": (np.arange(20) % 10).astype(np.float32)}, "expected integers"),
+        ({**good(), "labels": np.array([str(i % 10) for i in range(20)])}, "expected integers"),
+        ({**good(), "images": np.zeros((20, 1, 8, 8), dtype="U1")}, "expected floating point"),
+        ({**good(), "images": np.full((20, 1, 8, 8), np.nan)}, "non-finite"),
+        (good(19), "class(es) [9] have fewer than 2 samples"),
+        (good(10), "class(es) [0, 1, 2, 3, 4, 5, 6, 7, 8, 9] have fewer than 2 samples"),
+        ({**good(), "images": np.array([None] * 20, dtype=object)}, "is not a readable .npz"),
     ],
-)
+    ids=["text", "empty", "npy", "keys", "shape", "no-samples", "label-10", "label-neg", "float-labels",
+         "string-labels", "string-images", "nan", "one-class-short", "one-per-class", "object"],
+)  # fmt: skip
 def test_digits_spread_refuses_bad_input_in_one_line(tmp_path, content, message):
-    path = tmp_path / "bad.npz"
+    path = tmp_path / ("bad.npy" if isinstance(content, np.ndarray) else "bad.npz")
     if isinstance(content, str):
         path.write_text(content)
+    elif isinstance(content, np.ndarray):
+        np.save(path, content)
     else:
         np.savez(path, **content)
     result = run("scripts/digits_spread.py", str(path))
     assert result.returncode != 0
     assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert str(path) in result.stderr and "fix:" in result.stderr and "Traceback" not in result.stderr
