@@ -39,3 +39,15 @@ class DyingWorker(DiffusionDistillationWorker):
         if self.rank == 1 and request.phase_index == FAULT_PHASE:
             os._exit(3)
         return super().run_phase(request, batch)
+
+
+class SaveDyingWorker(DiffusionDistillationWorker):
+    """Rank 1's process exits right after its part of the first checkpoint's save: the checkpoint is
+    published on disk, but the driver's save call fails."""
+
+    @operation("save_checkpoint")
+    def save_checkpoint(self, global_step, trainer_state):
+        path = self.session.save_checkpoint(global_step, trainer_state)
+        if self.rank == 1:
+            os._exit(3)
+        return path

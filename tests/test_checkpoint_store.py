@@ -230,3 +230,65 @@ def test_a_manifest_whose_file_list_is_malformed_is_refused_in_one_line(tmp_path
     with pytest.raises(CheckpointError, match=r"malformed|not a mapping") as caught:
         CheckpointStore.verify(path)
     assert "\n" not in str(caught.value)
+
+
+def test_a_failed_runs_resume_line_names_what_a_relaunch_would_load(tmp_path, monkeypatch):
+    """After a worker failure the trainer says what relaunching the same command starts from, read from
+    the checkpoint root as the resume reads it: step 0, the newest intact checkpoint, an explicit older
+    one and the newer one it would set aside, a failure when none is intact, the last step's (only the
+    final validation and export are left); and it never raises in place of the run's error."""
+    from verl_dmd.controller import TooManySkipsError
+    from verl_dmd.main import compose_plan
+    from verl_dmd.trainer.ray_trainer import DistillationRayTrainer
+
+    root = tmp_path / "checkpoints"
+    store = CheckpointStore(root)
+    failure = RuntimeError("a worker failed")
+
+    def line(*overrides: str) -> str:
+        plan = compose_plan(
+            "digits_dmd2", [f"trainer.output_dir={tmp_path}", "trainer.total_steps=6", *overrides]
+        )
+        return DistillationRayTrainer(plan)._resume_note(failure)
+
+    step = {n: root / f"global_step_{n}" for n in (2, 4, 6)}
+    assert line("checkpoint.save_every=0") == (
+        "with checkpoint.resume = 'auto', relaunching the same command starts from step 0 (no checkpoint yet; "
+        "checkpoint.save_every = 0: only at the end and on a signal)"
+    )
+    for n in (2, 4):
+        save(store, n)
+    assert line() == f"relaunching the same command resumes from {step[4]} (global step 4 of 6)"
+    plan = compose_plan("digits_dmd2", [f"trainer.output_dir={tmp_path}", "trainer.total_steps=6"])
+    assert DistillationRayTrainer(plan)._resume_note(TooManySkipsError("skipped")) == (
+        f"relaunching the same command resumes from {step[4]} (global step 4 of 6) and, the run being "
+        "deterministic, meets the same non-finite steps again"
+    )
+    assert line(f"checkpoint.resume={step[2]}") == (
+        f"relaunching the same command resumes from {step[2]} (global step 2 of 6); it sets aside the newer "
+        f"{step[4]} (global step 4): to continue from that one, relaunch with checkpoint.resume={step[4]}"
+    )
+    assert line("checkpoint.resume=disable") == (
+        "with checkpoint.resume = 'disable', relaunching the same command starts from step 0; the newest "
+        f"checkpoint is {step[4]} (global step 4)"
+    )
+    (step[4] / FILES[0]).write_bytes(b"short")  # damaged: the resume skips it
+    assert line() == f"relaunching the same command resumes from {step[2]} (global step 2 of 6)"
+    (step[2] / FILES[0]).write_bytes(b"short")
+    damaged = line()
+    assert damaged.startswith("relaunching the same command fails: no intact checkpoint to resume from (2 "
+                              "damaged; the first: "), damaged  # fmt: skip
+    save(store, 6)
+    assert line() == (
+        f"{step[6]} is of the last step (6): relaunching the same command repeats only the final validation and "
+        "export"
+    )
+    assert line("export.at_end=false").endswith("repeats only the final validation")
+
+    def broken(self, resume):
+        raise ValueError("global_step 'two' is not a number")
+
+    monkeypatch.setattr(CheckpointStore, "candidates", broken)
+    assert line() == (
+        "what a relaunch would resume from could not be read (ValueError: global_step 'two' is not a number)"
+    )

@@ -122,36 +122,70 @@ FAULT_DRIVER = textwrap.dedent(
 )
 
 
+STEP_1 = "{out}/checkpoints/global_step_1"
+
+
 @pytest.mark.parametrize(
-    ("worker", "timeout", "message"),
+    ("worker", "timeout", "message", "checkpointing", "note"),
     [
         (
             "RaisingWorker",
             600,
             "worker call run_phase failed on rank 1: ValueError: injected failure on purpose",
+            [],  # the recipe saves every 200 steps: none before the failure
+            "verl-dmd: with checkpoint.resume = 'auto', relaunching the same command starts from step 0 (no "
+            "checkpoint yet; checkpoint.save_every = 200)",
         ),
-        ("DyingWorker", 600, "worker call run_phase: rank 1 died"),
+        (
+            "DyingWorker",
+            600,
+            "worker call run_phase: rank 1 died",
+            ["checkpoint.save_every=1"],  # step 1's checkpoint is published before the third phase
+            f"verl-dmd: relaunching the same command resumes from {STEP_1} (global step 1 of 6)",
+        ),
+        (
+            "SaveDyingWorker",  # the save call fails, but the checkpoint is on disk: the line names it
+            600,
+            "worker call save_checkpoint: rank 1 died",
+            ["checkpoint.save_every=1"],
+            f"verl-dmd: relaunching the same command resumes from {STEP_1} (global step 1 of 6)",
+        ),
         (
             "HangingWorker",
             20,
             "worker call run_phase: rank(s) [1] stopped answering (phase 2, fake_score; at ray_workers.py:",
+            ["checkpoint.save_every=1", "checkpoint.resume=disable"],
+            "verl-dmd: with checkpoint.resume = 'disable', relaunching the same command starts from step 0; the "
+            f"newest checkpoint is {STEP_1} (global step 1)",
         ),
     ],
 )
-def test_a_failing_rank_ends_the_run_with_its_rank_and_error(tmp_path, worker, timeout, message):
-    """Rank 1 raises, dies or hangs in its third phase: the driver names the rank (and the original
-    error), stops the workers and exits non-zero within the timeout. A hang names rank 1 alone as the
-    rank that stopped (rank 0 waits for it in a collective) and points to a log of both ranks' stacks."""
+def test_a_failing_rank_ends_the_run_with_its_rank_and_error(
+    tmp_path, worker, timeout, message, checkpointing, note
+):
+    """Rank 1 raises, dies or hangs in its third phase, or dies right after its part of a save: the
+    driver names the rank (and the original error), stops the workers and exits non-zero within the
+    timeout, then says what relaunching the same command starts from, as the checkpoint root shows it
+    (a save that failed on the driver's side but was published counts). A hang names rank 1 alone as
+    the rank that stopped (rank 0 waits for it in a collective) and points to a log of both ranks'
+    stacks."""
+    from verl_dmd.checkpoint.store import CheckpointStore
+
     started = time.monotonic()
     result = subprocess.run(
         [sys.executable, "-c", FAULT_DRIVER.format(tests=str(TESTS)), worker, *TINY,
-         f"trainer.output_dir={tmp_path}", f"trainer.rpc_timeout_s={timeout}"],
+         f"trainer.output_dir={tmp_path}", f"trainer.rpc_timeout_s={timeout}", *checkpointing],
         capture_output=True, text=True, timeout=300, cwd=tmp_path, env={**os.environ, "VERL_DMD_TEST_HANG_S": "600"},
     )  # fmt: skip
     elapsed, exited = time.monotonic() - started, time.time()
     output = result.stdout[-3000:] + result.stderr[-3000:]
     assert result.returncode == 1, output
     assert message in result.stdout + result.stderr, output
+    assert note.format(out=tmp_path) in result.stderr.splitlines(), output
+    saved = sorted(p.name for p in (tmp_path / "checkpoints").glob("global_step_*"))
+    assert saved == (["global_step_1"] if checkpointing else []), (saved, output)
+    if checkpointing:  # the checkpoint the line names is complete, every file's hash as its manifest says
+        CheckpointStore.verify(tmp_path / "checkpoints" / "global_step_1", hashes=True)
     assert elapsed < 200, elapsed
     if worker == "HangingWorker":
         check_hang_report(result.stderr, timeout, exited)

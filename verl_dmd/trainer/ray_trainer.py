@@ -321,6 +321,7 @@ class DistillationRayTrainer:
             return 2
         except (WorkerError, TooManySkipsError) as err:
             print(f"verl-dmd: error: {err}", file=sys.stderr, flush=True)
+            print(f"verl-dmd: {self._resume_note(err)}", file=sys.stderr, flush=True)
             return 1
         except KeyboardInterrupt:  # a second signal: stop now, without the checkpoint
             print(
@@ -332,6 +333,56 @@ class DistillationRayTrainer:
             for signum, previous in handlers.items():
                 with contextlib.suppress(ValueError, TypeError):
                     signal.signal(signum, previous)
+
+    def _resume_note(self, error: Exception) -> str:
+        """After a failed run: what relaunching the same command starts from (never an exception of its
+        own in place of the run's error)."""
+        try:
+            return self._relaunch_line(skips=isinstance(error, TooManySkipsError))
+        except Exception as err:  # a note: the run's own error is printed already
+            return f"what a relaunch would resume from could not be read ({type(err).__name__}: {err})"
+
+    def _relaunch_line(self, *, skips: bool) -> str:
+        """Read from the checkpoint root as the resume reads it (manifests and file sizes; the files'
+        hashes are checked only as a resume loads them), so a checkpoint published just before a rank
+        failed counts; with a newer checkpoint in this run's root that the resume would set aside."""
+        from verl_dmd.checkpoint.composite import checkpoint_root
+        from verl_dmd.checkpoint.store import CheckpointError, CheckpointStore
+
+        plan = self.plan
+        ckpt, total = plan.checkpoint, plan.trainer.total_steps
+        store = CheckpointStore(checkpoint_root(plan))
+        try:
+            found = store.candidates(ckpt.resume)
+        except CheckpointError as err:
+            return f"relaunching the same command fails: {err}"
+        newest = store.candidates("auto").checkpoints
+        first = found.checkpoints[0] if found.checkpoints else None
+        if first is None and found.damaged:
+            return (f"relaunching the same command fails: no intact checkpoint to resume from "
+                    f"({len(found.damaged)} damaged; the first: {found.damaged[0]})")  # fmt: skip
+        if first is None:
+            line = (
+                f"with checkpoint.resume = {ckpt.resume!r}, relaunching the same command starts from step 0"
+            )
+            if newest:
+                return (
+                    f"{line}; the newest checkpoint is {newest[0].path} (global step {newest[0].global_step})"
+                )
+            when = "" if ckpt.save_every else ": only at the end and on a signal"
+            return f"{line} (no checkpoint yet; checkpoint.save_every = {ckpt.save_every}{when})"
+        if first.global_step >= total:
+            left = "validation and export" if plan.export.at_end else "validation"
+            line = (f"{first.path} is of the last step ({first.global_step}): relaunching the same command "
+                    f"repeats only the final {left}")  # fmt: skip
+        else:
+            line = f"relaunching the same command resumes from {first.path} (global step {first.global_step} of {total})"
+            if skips:
+                line += " and, the run being deterministic, meets the same non-finite steps again"
+        if newest and newest[0].global_step > first.global_step:
+            line += (f"; it sets aside the newer {newest[0].path} (global step {newest[0].global_step}): to continue "
+                     f"from that one, relaunch with checkpoint.resume={newest[0].path}")  # fmt: skip
+        return line
 
     def _install_signal_handlers(self) -> None:
         for signum in (signal.SIGTERM, signal.SIGINT):
