@@ -140,11 +140,18 @@ def main(argv=None) -> int:
     if not NUM_CLASSES <= args.num_samples <= per_class * NUM_CLASSES:
         fail(f"--num-samples {args.num_samples}: must be in [{NUM_CLASSES}, {per_class * NUM_CLASSES}] (at most "
              f"{per_class} training digits per class without repeats)")  # fmt: skip
-    models = {}  # resolved and loaded before any scoring: a bad path fails in a second
-    adapter = get_adapter("dit")()
+    # Both paths resolved before the adapter's imports (diffusers: seconds), then both models loaded before
+    # any scoring: a bad path fails in about the time the script takes to start.
+    directories = {
+        kind: model_directory(path, kind)
+        for kind, path in (("teacher", args.teacher), ("student", args.student))
+        if path is not None
+    }
+    models = {}
+    adapter = get_adapter("dit")() if directories else None
     for kind, path in (("teacher", args.teacher), ("student", args.student)):
         if path is not None:
-            directory, export = model_directory(path, kind)
+            directory, export = directories[kind]
             try:
                 model = adapter.build_model(ModelSource(path=directory)).eval()
             except (OSError, ValueError) as error:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from composite_scenarios import (
     PHASES,
@@ -129,7 +131,8 @@ def test_resources_offload_packing_reaches_the_workers_offloader(tmp_path, packi
 def test_gpu_check_script_passes_on_cpu(layout):
     """scripts/check_sleep_training.py (the GPU check of bitwise training with sleep/wake before every
     phase, and of AdamW on the local shards vs on the DTensors) runs on CPU too: four runs, coalescing
-    included, equal bit for bit."""
+    included, equal bit for bit. Two blocks of width 128 (the script's GPU default is 4 of 256): the
+    same code paths, a quarter of the CPU time."""
     import subprocess
     import sys
     from pathlib import Path
@@ -145,6 +148,10 @@ def test_gpu_check_script_passes_on_cpu(layout):
             layout,
             "--phases",
             "4",
+            "--layers",
+            "2",
+            "--hidden",
+            "128",
         ],
         capture_output=True,
         text=True,
@@ -153,6 +160,8 @@ def test_gpu_check_script_passes_on_cpu(layout):
     )
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     assert "PASS" in result.stdout and " 0 left in place" in result.stdout, result.stdout
+    coalesced = re.search(r"; (\d+) coalesced over the run", result.stdout)
+    assert coalesced and int(coalesced.group(1)) > 0, result.stdout  # the small storages were packed
 
 
 @pytest.mark.parametrize("layout", ["shared_base_adapters", "independent"])

@@ -35,8 +35,11 @@ def test_entry_point_method_is_found_and_trains(tmp_path):
     src = tmp_path / "src"
     shutil.copytree(FIXTURE, src)
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    # the venv's setuptools (torch requires it): an isolated build would fetch one from the index each time
     subprocess.run(
-        [*pip, "wheel", "--no-deps", "-w", str(tmp_path / "dist"), str(src)], check=True, timeout=300
+        [*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "dist"), str(src)],
+        check=True,
+        timeout=300,
     )
     (wheel,) = (tmp_path / "dist").glob("*.whl")
     site = tmp_path / "site"

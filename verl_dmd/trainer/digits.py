@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Callable
@@ -152,15 +153,16 @@ class DigitsValidator:
 
     def __init__(self, plan, group, info) -> None:
         self.plan, self.group, self.info = plan, group, info
-        self._evaluation_parts = None
 
-    def _parts(self):
-        if self._evaluation_parts is None:
-            from verl_dmd.eval.digits_classifier import train_digits_classifier
+    @staticmethod
+    @functools.cache
+    def _parts():
+        """The classifier and the two splits: deterministic (seed 0), so made once per process (about 9 s of
+        a 2-core CPU); a second run in the same process (a notebook, the tests) scores with the same ones."""
+        from verl_dmd.eval.digits_classifier import train_digits_classifier
 
-            train_split, holdout = load_digits_splits(seed=0)
-            self._evaluation_parts = (train_digits_classifier(train_split, seed=0), holdout, train_split)
-        return self._evaluation_parts
+        train_split, holdout = load_digits_splits(seed=0)
+        return train_digits_classifier(train_split, seed=0), holdout, train_split
 
     def run(self, out_dir: Path, global_step: int) -> ValidationReport:
         """Sample and score every row; write samples under `out_dir`; the table and its metrics."""
