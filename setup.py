@@ -39,6 +39,9 @@ EXTRAS_REQUIRE = {
         "hypothesis>=6.100",
         # Pinned: formatter output changes between releases and CI checks it.
         "ruff==0.17.6",
+        # tests/test_thirdparty_*.py build their fixture packages' wheels with this one, not an isolated
+        # copy; 70.1 builds wheels without the separate `wheel` package
+        "setuptools>=70.1",
     ],
     # Serving exported students with vllm-omni's DMD2 pipelines. Needs a CUDA
     # build of vllm; never imported at module load.

@@ -156,9 +156,11 @@ class DigitsValidator:
 
     @staticmethod
     @functools.cache
-    def _parts():
-        """The classifier and the two splits: deterministic (seed 0), so made once per process (about 9 s of
-        a 2-core CPU); a second run in the same process (a notebook, the tests) scores with the same ones."""
+    def _parts(threads: int):
+        """The classifier and the two splits, made once per process and CPU thread count (about 9 s of a
+        2-core CPU): a second run in the same process (a notebook, the tests) scores with the same ones. Its
+        training is deterministic at a given thread count; another count can move its weights by rounding,
+        so a run under another count trains its own, as every run did before the cache."""
         from verl_dmd.eval.digits_classifier import train_digits_classifier
 
         train_split, holdout = load_digits_splits(seed=0)
@@ -169,7 +171,7 @@ class DigitsValidator:
         from verl_dmd.algorithms.sampling import even_schedule, renoise_draws, trained_schedule
         from verl_dmd.eval.digits_report import TEACHER_STEPS, DigitsEvaluation, format_table
 
-        classifier, holdout, train_split = self._parts()
+        classifier, holdout, train_split = self._parts(torch.get_num_threads())
         plan, info = self.plan, self.info
         evaluation = DigitsEvaluation(
             classifier, holdout, train_split, num_samples=plan.validation.num_samples, out_dir=out_dir
